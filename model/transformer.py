@@ -146,7 +146,9 @@ class MultiHeadAttention(nn.Module):
         nn.DenseGeneral, features=(c.num_heads, c.head_dim), dtype=c.dtype,
         param_dtype=c.param_dtype, kernel_init=nn.initializers.xavier_uniform())
     self.query = project()
-    self.key = project()
+    # No key bias: it adds q.b to every logit of a query alike, which softmax cancels. Its
+    # gradient is pure rounding noise, which Adam would scale up into real updates.
+    self.key = project(use_bias=False)
     self.value = project()
     self.out = nn.DenseGeneral(
         features=c.d_model, axis=(-2, -1), dtype=c.dtype, param_dtype=c.param_dtype,

@@ -1,0 +1,265 @@
+"""Training: schedule, loss, multi-device and accumulation equivalence, resume, signals, faults."""
+
+import math
+import os
+import signal
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import checkpoints
+import train
+from configs import tiny
+from model import Transformer
+
+MULTI30K = os.environ.get('MULTI30K_DIR', '')
+needs_multi30k = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
+    reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
+
+
+def small_config(**overrides):
+  config = tiny.get_config()
+  config.dropout_rate = 0.0
+  for key, value in overrides.items():
+    config[key] = value
+  return config
+
+
+def random_batch(rng, rows, length, vocab, packed=True):
+  """A packed batch: two segments per row of random lengths, then padding."""
+  batch = {k: np.zeros((rows, length), np.int32) for k in train.BATCH_KEYS}
+  for row in range(rows):
+    for side in ('inputs', 'targets'):
+      first, second = rng.integers(2, length // 2, size=2) if packed else (length - 3, 0)
+      position = 0
+      for segment, size in ((1, first), (2, second)):
+        if size == 0:
+          continue
+        tokens = rng.integers(3, vocab, size)
+        tokens[-1] = 1
+        batch[side][row, position:position + size] = tokens
+        batch[f'{side}_segmentation'][row, position:position + size] = segment
+        batch[f'{side}_positions'][row, position:position + size] = np.arange(size)
+        position += size
+  return batch
+
+
+def test_schedule_matches_the_paper_formula():
+  config = small_config(d_model=512, warmup_steps=4000, learning_rate_scale=1.0)
+  schedule = train.learning_rate_schedule(config)
+  for step in (1, 100, 3999, 4000, 4001, 20000, 100000):
+    expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
+    assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
+  # Peak at the end of warmup, then decay.
+  assert float(schedule(3999)) > float(schedule(2000))
+  assert float(schedule(3999)) > float(schedule(8000))
+  config.learning_rate_scale = 2.0
+  assert float(train.learning_rate_schedule(config)(99)) == pytest.approx(
+      2 * 512**-0.5 * 100 * 4000**-1.5, rel=1e-5)
+
+
+def test_label_smoothed_loss_matches_explicit_smoothed_targets():
+  rng = np.random.default_rng(0)
+  vocab, smoothing = 11, 0.1
+  logits = rng.normal(size=(2, 5, vocab)).astype(np.float32) * 3
+  targets = rng.integers(3, vocab, (2, 5))
+  weights = (rng.random((2, 5)) > 0.3).astype(np.float32)
+  sums = train.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights),
+                             smoothing)
+  log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float64) if jax.config.x64_enabled
+                                 else jnp.asarray(logits))
+  soft = np.full((2, 5, vocab), smoothing / (vocab - 1))
+  np.put_along_axis(soft, targets[..., None], 1 - smoothing, axis=-1)
+  entropy = -(soft * np.log(soft)).sum(-1)
+  expected = ((-(soft * np.asarray(log_probs)).sum(-1) - entropy) * weights).sum()
+  np.testing.assert_allclose(float(sums['loss']), expected, rtol=1e-5)
+  nll = -np.take_along_axis(np.asarray(log_probs), targets[..., None], -1)[..., 0]
+  np.testing.assert_allclose(float(sums['nll']), (nll * weights).sum(), rtol=1e-5)
+  assert float(sums['tokens']) == weights.sum()
+
+
+def _setup(config, devices, vocab=40):
+  mesh = train.make_mesh(config, devices)
+  model = Transformer(train.model_config(config, vocab))
+  optimizer = train.make_optimizer(config)
+  init = jax.tree_util.Partial(train.init_train_state, model, optimizer)
+  abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
+  shardings = train.state_shardings(abstract, mesh)
+  state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(0))
+  step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
+  return state, step_fn, batch_sharding
+
+
+def _run_steps(config, devices, batches):
+  state, step_fn, batch_sharding = _setup(config, devices)
+  losses = []
+  for batch in batches:
+    state, metrics = step_fn(state, train.global_batch(batch, batch_sharding))
+    losses.append(float(metrics['loss']) / float(metrics['tokens']))
+  return jax.device_get(state['params']), losses
+
+
+def _assert_trees_close(a, b, atol):
+  for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=0)
+
+
+def test_loss_falls_near_zero_on_a_copy_task():
+  config = small_config(d_model=64, d_ff=128, num_heads=4, warmup_steps=50,
+                        learning_rate_scale=0.5, label_smoothing=0.0)
+  state, step_fn, batch_sharding = _setup(config, jax.devices()[:1], vocab=16)
+  rng = np.random.default_rng(0)
+  positions = np.broadcast_to(np.arange(8, dtype=np.int32), (32, 8))
+  nll, accuracy = [], []
+  for _ in range(400):
+    tokens = rng.integers(3, 16, (32, 8)).astype(np.int32)
+    tokens[:, -1] = 1
+    ones = np.ones_like(tokens)
+    batch = {'inputs': tokens, 'targets': tokens, 'inputs_segmentation': ones,
+             'targets_segmentation': ones, 'inputs_positions': positions,
+             'targets_positions': positions}
+    state, metrics = step_fn(state, train.global_batch(batch, batch_sharding))
+    nll.append(float(metrics['nll']) / float(metrics['tokens']))
+    accuracy.append(float(metrics['correct']) / float(metrics['tokens']))
+  assert nll[0] > 2.0  # Starts near log(13): the task is not trivially solved.
+  assert np.mean(nll[-20:]) < 0.1, f'copy task NLL {np.mean(nll[-20:]):.3f} after 400 steps'
+  assert np.mean(accuracy[-20:]) > 0.97
+
+
+@pytest.mark.parametrize('mesh_shape', ['data:8', 'data:4,fsdp:2', 'data:1,fsdp:8'])
+def test_eight_devices_match_one_device(mesh_shape):
+  assert len(jax.devices()) >= 8, 'conftest sets 8 fake CPU devices'
+  rng = np.random.default_rng(1)
+  batches = [random_batch(rng, 16, 24, 40) for _ in range(3)]
+  one_params, one_losses = _run_steps(small_config(), jax.devices()[:1], batches)
+  eight_params, eight_losses = _run_steps(small_config(mesh_shape=mesh_shape),
+                                          jax.devices()[:8], batches)
+  np.testing.assert_allclose(one_losses, eight_losses, rtol=1e-5)
+  # Adam divides each gradient entry by its own magnitude, so float32 reduction-order noise in
+  # near-zero entries reaches ~1e-6 in the parameters; real updates here are ~1e-2.
+  _assert_trees_close(one_params, eight_params, atol=1e-5)
+  # The updates are not trivially zero: parameters moved.
+  state0, _, _ = _setup(small_config(), jax.devices()[:1])
+  moved = max(float(np.abs(a - b).max()) for a, b in zip(
+      jax.tree_util.tree_leaves(jax.device_get(state0['params'])),
+      jax.tree_util.tree_leaves(one_params)))
+  assert moved > 1e-3
+
+
+def test_fsdp_shards_parameters():
+  config = small_config(mesh_shape='data:4,fsdp:2')
+  state, _, _ = _setup(config, jax.devices()[:8])
+  specs = {str(x.sharding.spec) for x in jax.tree_util.tree_leaves(state['params'])}
+  assert any('fsdp' in spec for spec in specs), specs
+
+
+def test_gradient_accumulation_equals_one_big_batch():
+  rng = np.random.default_rng(2)
+  batches = [random_batch(rng, 16, 24, 40) for _ in range(3)]
+  big_params, big_losses = _run_steps(small_config(), jax.devices()[:2], batches)
+  accum_params, accum_losses = _run_steps(small_config(grad_accum_steps=4), jax.devices()[:2],
+                                          batches)
+  np.testing.assert_allclose(big_losses, accum_losses, rtol=1e-5)
+  _assert_trees_close(big_params, accum_params, atol=1e-5)
+
+
+def test_nonfinite_update_is_skipped_and_counted():
+  config = small_config()
+  state, step_fn, batch_sharding = _setup(config, jax.devices()[:1])
+  before = jax.device_get(state['params'])
+  batch = random_batch(np.random.default_rng(3), 16, 24, 40)
+  poisoned = jax.tree_util.tree_map(lambda x: x, state)
+  # A NaN in one embedding row poisons the loss of every batch that uses it.
+  poisoned['params']['embed']['embedding'] = state['params']['embed']['embedding'].at[5].set(
+      jnp.nan)
+  batch['targets'][0, 0] = 5
+  new_state, metrics = step_fn(poisoned, train.global_batch(batch, batch_sharding))
+  assert not bool(metrics['finite'])
+  assert int(new_state['nonfinite_in_a_row']) == 1 and int(new_state['nonfinite_total']) == 1
+  after = jax.device_get(new_state['params'])
+  # Everything but the poisoned row is unchanged: the update was skipped.
+  np.testing.assert_array_equal(np.delete(after['embed']['embedding'], 5, 0),
+                                np.delete(before['embed']['embedding'], 5, 0))
+
+
+def test_bad_config_errors_before_compiling():
+  with pytest.raises(train.ConfigError, match='divide over'):
+    train.validate_config(small_config(batch_size=12), train.make_mesh(small_config()))
+  with pytest.raises(train.ConfigError, match='mesh_shape'):
+    train.make_mesh(small_config(mesh_shape='data:3'))
+  with pytest.raises(train.ConfigError, match='dtype'):
+    train.validate_config(small_config(dtype='float16'), train.make_mesh(small_config()))
+
+
+# --------------------------------------------------------------- full runs on real data
+
+
+def _final_params(workdir):
+  params, _ = checkpoints.load_params(str(workdir))
+  return params
+
+
+@needs_multi30k
+def test_resume_equals_uninterrupted_run(tmp_path):
+  config = small_config(dropout_rate=0.1, bleu_every_steps=1000)
+  config.num_train_steps = 16
+  config.checkpoint_every_steps = 4
+  config.eval_every_steps = 1000
+  straight = tmp_path / 'straight'
+  train.train_and_evaluate(config, str(straight))
+
+  interrupted = tmp_path / 'interrupted'
+  os.makedirs(interrupted)
+  # Share the tokenizer so both runs see the same ids (training it is deterministic anyway).
+  (interrupted / 'tokenizer.model').write_bytes((straight / 'tokenizer.model').read_bytes())
+  first = config.copy_and_resolve_references()
+  first.num_train_steps = 8
+  train.train_and_evaluate(first, str(interrupted))
+  result = train.train_and_evaluate(config, str(interrupted))
+  assert result['step'] == 16
+  _assert_trees_close(_final_params(straight), _final_params(interrupted), atol=1e-6)
+
+
+@needs_multi30k
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+  config = small_config(bleu_every_steps=1000)
+  config.num_train_steps = 100_000
+  config.eval_every_steps = 100_000
+  config.checkpoint_every_steps = 100_000
+  timer = threading.Timer(25.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
+  timer.start()
+  try:
+    result = train.train_and_evaluate(config, str(tmp_path))
+  finally:
+    timer.cancel()
+  assert result['stopped'] and 0 < result['step'] < 100_000
+  manager = checkpoints.make_manager(str(tmp_path), read_only=True)
+  assert manager.latest_step() == result['step']
+
+
+@needs_multi30k
+def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
+  config = small_config(bleu_every_steps=1000)
+  config.num_train_steps = 8
+  config.checkpoint_every_steps = 4
+  config.eval_every_steps = 1000
+  train.train_and_evaluate(config, str(tmp_path))
+  latest = tmp_path / 'checkpoints' / '8'
+  assert latest.is_dir()
+  damaged = 0
+  for path in (latest / 'params').rglob('*'):
+    if path.is_file() and path.stat().st_size > 0:
+      path.write_bytes(b'\0garbage' * 3)
+      damaged += 1
+  assert damaged
+  config.num_train_steps = 10
+  with caplog.at_level('WARNING'):
+    result = train.train_and_evaluate(config, str(tmp_path))
+  assert 'cannot be restored' in caplog.text
+  assert result['step'] == 10
+  assert (tmp_path / 'checkpoints' / '8.damaged').is_dir()
+  assert not math.isnan(result['metrics']['train_loss'])
