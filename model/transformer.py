@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -66,7 +67,8 @@ class TransformerConfig:
       raise ValueError(f'activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}.')
     if self.attention_probs not in ATTENTION_PROBS:
       raise ValueError(
-          f'attention_probs must be one of {sorted(ATTENTION_PROBS)}, got {self.attention_probs!r}.')
+          f'attention_probs must be one of {sorted(ATTENTION_PROBS)}, '
+          f'got {self.attention_probs!r}.')
     if self.positional == 'sinusoidal' and self.d_model % 2:
       raise ValueError(f'sinusoidal positions need an even d_model, got {self.d_model}.')
 
@@ -199,7 +201,8 @@ class FeedForward(nn.Module):
     c = self.config
     dense = functools.partial(nn.Dense, dtype=c.dtype, param_dtype=c.param_dtype,
                               kernel_init=nn.initializers.xavier_uniform())
-    return dense(c.d_model, name='output')(ACTIVATIONS[c.activation](dense(c.d_ff, name='hidden')(x)))
+    hidden = ACTIVATIONS[c.activation](dense(c.d_ff, name='hidden')(x))
+    return dense(c.d_model, name='output')(hidden)
 
 
 class SublayerConnection(nn.Module):
@@ -251,7 +254,8 @@ class DecoderLayer(nn.Module):
   def __call__(self, y: Array, encoded: Array, self_mask: Array, cross_mask: Array,
                train: bool) -> Array:
     """Teacher-forced pass. y: [batch, tgt_len, d_model]; encoded: [batch, src_len, d_model]."""
-    y = self.self_attention_sublayer(y, lambda z: self.self_attention(z, z, self_mask, train), train)
+    y = self.self_attention_sublayer(
+        y, lambda z: self.self_attention(z, z, self_mask, train), train)
     y = self.cross_attention_sublayer(
         y, lambda z: self.cross_attention(z, encoded, cross_mask, train), train)
     return self.feed_forward_sublayer(y, self.feed_forward, train)
@@ -409,6 +413,9 @@ class Transformer(nn.Module):
                targets_positions: Array | None = None,
                train: bool = False) -> Array:
     """inputs [batch, src_len], targets [batch, tgt_len] -> logits [batch, tgt_len, vocab]."""
+    if (inputs_segmentation is None) != (targets_segmentation is None):
+      raise ValueError('Packed batches need both inputs_segmentation and targets_segmentation '
+                       '(or neither, for one pair per row).')
     encoded = self.encode(inputs, inputs_segmentation, inputs_positions, train)
     return self.decode(encoded, inputs, targets, inputs_segmentation, targets_segmentation,
                        targets_positions, train)
