@@ -1,0 +1,114 @@
+"""decode.py and checkpoint averaging on a tiny run trained on real Multi30k sentences."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import sacrebleu
+
+import checkpoints
+import decode
+import train
+from configs import tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MULTI30K = os.environ.get('MULTI30K_DIR', '')
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
+    reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
+
+
+@pytest.fixture(scope='module')
+def workdir(tmp_path_factory):
+  path = tmp_path_factory.mktemp('run')
+  config = tiny.get_config()
+  config.num_train_steps = 12
+  config.checkpoint_every_steps = 4
+  config.eval_every_steps = 1000
+  config.bleu_every_steps = 1000
+  train.train_and_evaluate(config, str(path))
+  return str(path)
+
+
+def run_decode(*args, stdin=None):
+  return subprocess.run([sys.executable, 'decode.py', *args], cwd=REPO, input=stdin,
+                        capture_output=True, timeout=600)
+
+
+def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tmp_path):
+  sources = [line.strip() for line in open(os.path.join(MULTI30K, 'val.en'), encoding='utf-8')]
+  references = [line.strip() for line in open(os.path.join(MULTI30K, 'val.de'), encoding='utf-8')]
+  # Mixed lengths out of order, an empty line in the middle, a line longer than the model.
+  picked = [5, 0, 17, 3, 40, 8]
+  lines = [sources[i] for i in picked]
+  refs = [references[i] for i in picked]
+  lines.insert(3, '')
+  refs.insert(3, '')
+  lines.append(' '.join(sources[:40]))  # ~500 tokens > model_max_len=128: truncated.
+  refs.append(references[0])
+  (tmp_path / 'src.txt').write_text(''.join(x + '\n' for x in lines), encoding='utf-8')
+  (tmp_path / 'ref.txt').write_text(''.join(x + '\n' for x in refs), encoding='utf-8')
+  result = run_decode('--workdir', workdir, '--input', str(tmp_path / 'src.txt'), '--output',
+                      str(tmp_path / 'hyp.txt'), '--reference', str(tmp_path / 'ref.txt'))
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  hypotheses = (tmp_path / 'hyp.txt').read_text(encoding='utf-8').split('\n')[:-1]
+  assert len(hypotheses) == len(lines)
+  assert hypotheses[3] == ''
+  stderr = result.stderr.decode()
+  assert 'Truncating 1' in stderr
+  expected = sacrebleu.corpus_bleu(hypotheses, [refs]).score
+  printed = [line for line in stderr.splitlines() if line.startswith('BLEU ')][0]
+  assert float(printed.split()[1]) == pytest.approx(expected, abs=0.01)
+  assert 'chrF' in stderr and 'nrefs:1' in stderr
+
+  # Order: each line translated alone gives the same output as inside the file.
+  config, tokenizer, model = decode.load_run(workdir)
+  params, _ = checkpoints.load_params(workdir)
+  for position in (0, 2, 5):
+    alone = decode.translate(model, params, tokenizer, [lines[position]], config)
+    assert alone == [hypotheses[position]]
+
+
+def test_decode_stdin_to_stdout_and_nbest(workdir):
+  result = run_decode('--workdir', workdir, '--input', '-', '--nbest', '2',
+                      stdin='A dog runs.\nTwo men.\n'.encode())
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  lines = result.stdout.decode().split('\n')[:-1]
+  assert len(lines) == 2 and all(len(line.split('\t')) == 2 for line in lines)
+
+
+def test_decode_errors_are_clear(workdir, tmp_path):
+  bad = tmp_path / 'bad.txt'
+  bad.write_bytes(b'A dog.\nA \xff cat.\n')
+  result = run_decode('--workdir', workdir, '--input', str(bad))
+  assert result.returncode != 0
+  assert f'{bad}:2: invalid UTF-8' in result.stderr.decode()
+  empty = tmp_path / 'empty_run'
+  empty.mkdir()
+  (empty / 'config.json').write_text(open(os.path.join(workdir, 'config.json')).read())
+  (empty / 'tokenizer.model').write_bytes(open(os.path.join(workdir, 'tokenizer.model'),
+                                               'rb').read())
+  good = tmp_path / 'good.txt'
+  good.write_text('A dog.\n', encoding='utf-8')
+  result = run_decode('--workdir', str(empty), '--input', str(good))
+  assert result.returncode != 0 and 'No checkpoints' in result.stderr.decode()
+  assert 'Traceback' not in result.stderr.decode()
+
+
+def test_checkpoint_averaging(workdir):
+  manager = checkpoints.make_manager(workdir, read_only=True)
+  steps = sorted(manager.all_steps())[-2:]
+  assert len(steps) == 2
+  by_step = [checkpoints.load_params(workdir, step)[0] for step in steps]
+  averaged = checkpoints.save_averaged(workdir, 2)
+  assert averaged == steps
+  loaded, origin = checkpoints.load_params(workdir, 'averaged')
+  assert 'averaged' in origin
+  for a, b, mean in zip(*(jax.tree_util.tree_leaves(t) for t in (*by_step, loaded))):
+    np.testing.assert_allclose(mean, (a + b) / 2, rtol=1e-6, atol=1e-7)
+  differs = any(not np.array_equal(a, b) for a, b in zip(
+      *(jax.tree_util.tree_leaves(t) for t in by_step)))
+  assert differs  # Averaging two different checkpoints is not trivially the identity.

@@ -1,0 +1,248 @@
+"""Tests of model/decoding.py: beam search against brute force, greedy search and sampling,
+batch invariance, and cached scores against the teacher-forced forward pass."""
+
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from model import (
+    EOS_ID,
+    Transformer,
+    TransformerConfig,
+    beam_search,
+    greedy_search,
+    length_penalty,
+    sample,
+)
+
+ALPHA = 0.6
+
+
+def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = -3.0):
+  """A small random model whose outputs depend on the source and end at varied lengths.
+
+  All kernels and embeddings are scaled up (peakier distributions), and the last decoder
+  LayerNorm's bias gets a component along the EOS embedding orthogonal to every other
+  embedding, which adds exactly `eos_bias` to the EOS logit (there is no output bias).
+  """
+  config = TransformerConfig(vocab_size=vocab, d_model=32, num_heads=4, d_ff=64,
+                             num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
+                             max_len=64)
+  model = Transformer(config)
+  dummy = jnp.ones((1, 4), jnp.int32)
+  params = jax.jit(model.init)(jax.random.key(seed), dummy, dummy)['params']
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * scale if 'kernel' in str(path) or 'embedding' in str(path) else x,
+      params)
+  table = np.asarray(params['embed']['embedding'], np.float64)
+  basis, _ = np.linalg.qr(np.delete(table, EOS_ID, axis=0).T)
+  direction = table[EOS_ID] - basis @ (basis.T @ table[EOS_ID])
+  norm = params['decoder_layers_1']['feed_forward_sublayer']['norm']
+  norm['bias'] = jnp.asarray(direction * eos_bias / (direction @ direction), jnp.float32)
+  return model, params
+
+
+def random_sources(rng, lengths, vocab, width=None):
+  """[len(lengths), width] real ids in [3, vocab), 0-padded after each length."""
+  width = width or max(lengths)
+  tokens = rng.integers(3, vocab, size=(len(lengths), width)).astype(np.int32)
+  return np.where(np.arange(width) < np.array(lengths)[:, None], tokens, 0)
+
+
+def output_lengths(seqs) -> np.ndarray:
+  """Number of tokens up to and including the first EOS."""
+  return np.argmax(np.asarray(seqs) == EOS_ID, axis=-1) + 1
+
+
+@functools.cache
+def jitted(fn, model, **settings):
+  """One compiled function per (function, model, static settings)."""
+  return jax.jit(functools.partial(fn, model, **settings))
+
+
+def forward_logits(model, params, inputs, targets):
+  return jitted(Transformer.apply, model)({'params': params}, inputs, targets)
+
+
+def forward_log_probs(model, params, inputs, targets) -> np.ndarray:
+  """Teacher-forced sum of log-softmax of `targets` [n, length] (0s ignored): [n]."""
+  logits = forward_logits(model, params, jnp.asarray(inputs), jnp.asarray(targets))
+  log_probs = np.asarray(jax.nn.log_softmax(logits), np.float64)
+  picked = np.take_along_axis(log_probs, np.asarray(targets)[..., None], axis=-1)[..., 0]
+  return np.where(np.asarray(targets) > 0, picked, 0.0).sum(-1)
+
+
+def check_well_formed(seqs):
+  """Every sequence: real tokens, one EOS, then only padding."""
+  seqs = np.asarray(seqs).reshape(-1, np.shape(seqs)[-1])
+  lengths = output_lengths(seqs)
+  positions = np.arange(seqs.shape[1])
+  assert np.all(seqs[np.arange(len(seqs)), lengths - 1] == EOS_ID)
+  assert np.all((seqs > EOS_ID) == (positions < lengths[:, None] - 1))
+  assert np.all((seqs == 0) == (positions >= lengths[:, None]))
+
+
+@pytest.fixture(scope='module')
+def medium():
+  """vocab 20, a batch of 6 sources of different lengths; outputs end at varied lengths."""
+  model, params = make_model(20, seed=2, scale=1.0, eos_bias=2.0)
+  inputs = random_sources(np.random.default_rng(1), [7, 3, 5, 1, 6, 4], 20)
+  return model, params, inputs
+
+
+# --------------------------------------------------------------------------------------------
+# Beam search.
+
+
+def test_beam_search_is_exact_with_an_exhaustive_beam():
+  """Vocab 5 (3 non-EOS tokens), <= 4 output tokens: a beam of 36 keeps every prefix live,
+  so the 3 best outputs must be the 3 best of all sequences ending in EOS within each
+  sentence's limit (min(source length + 1, 4) here), under the same length penalty."""
+  vocab, max_len, nbest = 5, 4, 3
+  model, params = make_model(vocab, seed=0)
+  source_lengths = [6, 6, 6, 6, 2, 3, 1, 6]
+  inputs = random_sources(np.random.default_rng(0), source_lengths, vocab)
+  seqs, scores = map(np.asarray, jitted(
+      beam_search, model, beam_size=36, alpha=ALPHA, max_decode_len=max_len, max_extra_length=1,
+      nbest=nbest)(params, inputs))
+  check_well_formed(seqs)
+
+  candidates = np.array([list(prefix) + [EOS_ID] + [0] * (max_len - n)
+                         for n in range(1, max_len + 1)
+                         for prefix in itertools.product(range(2, vocab), repeat=n - 1)])
+  lengths = output_lengths(candidates)
+  best_lengths = []
+  for i, source_length in enumerate(source_lengths):
+    allowed = candidates[lengths <= min(source_length + 1, max_len)]
+    log_probs = forward_log_probs(model, params, np.repeat(inputs[i:i + 1], len(allowed), 0),
+                                  allowed)
+    brute = log_probs / np.asarray(length_penalty(output_lengths(allowed), ALPHA))
+    order = np.argsort(-brute, kind='stable')[:nbest]
+    np.testing.assert_array_equal(seqs[i], allowed[order])
+    np.testing.assert_allclose(scores[i], brute[order], rtol=1e-5, atol=1e-5)
+    best_lengths.append(output_lengths(allowed[order[0]]))
+  # The test is only meaningful if hypotheses of different lengths compete.
+  assert len(set(best_lengths)) >= 3, best_lengths
+
+
+def test_beam_size_one_is_greedy_search(medium):
+  """With alpha 0 the finished EOS hypothesis of beam 1 always beats its live rival."""
+  model, params, inputs = medium
+  beam_seqs, beam_scores = jitted(beam_search, model, beam_size=1, alpha=0.0,
+                                  max_decode_len=16)(params, inputs)
+  greedy_seqs, greedy_scores = jitted(greedy_search, model, max_decode_len=16)(params, inputs)
+  np.testing.assert_array_equal(beam_seqs[:, 0], greedy_seqs)
+  np.testing.assert_allclose(beam_scores[:, 0], greedy_scores, rtol=1e-5)
+  assert len(set(output_lengths(greedy_seqs))) > 1  # EOS at varied steps.
+
+
+def test_scores_match_the_forward_pass_and_nbest_is_sorted(medium):
+  model, params, inputs = medium
+  nbest, max_len = 4, 16
+  seqs, scores = map(np.asarray, jitted(
+      beam_search, model, beam_size=4, alpha=ALPHA, max_decode_len=max_len, nbest=nbest)(
+          params, inputs))
+  assert seqs.shape == (len(inputs), nbest, max_len) and scores.shape == (len(inputs), nbest)
+  check_well_formed(seqs)
+  assert np.all(np.diff(scores, axis=1) <= 0)
+  assert all(len({tuple(s) for s in sentence}) == nbest for sentence in seqs)
+  flat = seqs.reshape(-1, max_len)
+  full = forward_log_probs(model, params, np.repeat(inputs, nbest, 0), flat)
+  penalty = np.asarray(length_penalty(output_lengths(flat), ALPHA))
+  np.testing.assert_allclose(scores.reshape(-1) * penalty, full, rtol=1e-4, atol=1e-4)
+
+
+def test_sentence_alone_equals_sentence_in_a_batch(medium):
+  """Also with another chunking of the cache: one loop over the whole buffer."""
+  model, params, inputs = medium
+  settings = dict(beam_size=4, alpha=ALPHA, max_decode_len=16, nbest=2)
+  batch_seqs, batch_scores = jitted(beam_search, model, **settings)(params, inputs)
+  for i in [1, 3]:
+    alone = inputs[i:i + 1, :max(1, int(np.sum(inputs[i] > 0)))]  # Its own padding width.
+    seqs, scores = jitted(beam_search, model, cache_chunk=None, **settings)(params, alone)
+    np.testing.assert_array_equal(seqs[0], batch_seqs[i])
+    np.testing.assert_allclose(scores[0], batch_scores[i], rtol=1e-5, atol=1e-5)
+
+
+def test_length_limits_and_force_full_length(medium):
+  model, params, inputs = medium
+  limits = np.sum(inputs > 0, axis=1) + 2
+  for force in [False, True]:
+    seqs, scores = jitted(beam_search, model, beam_size=3, alpha=ALPHA, max_extra_length=2,
+                          nbest=3, force_full_length=force)(params, inputs)
+    # The default buffer is source width + max_extra_length (capped by config.max_len).
+    assert seqs.shape[-1] == inputs.shape[1] + 2
+    check_well_formed(seqs)
+    lengths = output_lengths(seqs)
+    assert np.all(lengths <= limits[:, None])
+    if force:
+      assert np.all(lengths == limits[:, None])
+    else:
+      assert np.any(lengths < limits[:, None])
+
+
+# --------------------------------------------------------------------------------------------
+# Greedy search and sampling.
+
+
+def test_greedy_log_probs_match_the_forward_pass(medium):
+  model, params, inputs = medium
+  seqs, log_probs = jitted(greedy_search, model, max_decode_len=16)(params, inputs)
+  check_well_formed(seqs)
+  full = forward_log_probs(model, params, inputs, seqs)
+  np.testing.assert_allclose(log_probs, full, rtol=1e-4, atol=1e-4)
+
+
+def run_sample(model, params, inputs, seed=0, **kwargs):
+  fn = jitted(sample, model, max_decode_len=16, **kwargs)
+  return tuple(map(np.asarray, fn(params, inputs, jax.random.key(seed))))
+
+
+@pytest.mark.parametrize('settings', [dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4)])
+def test_degenerate_sampling_is_greedy(medium, settings):
+  model, params, inputs = medium
+  greedy_seqs, _ = jitted(greedy_search, model, max_decode_len=16)(params, inputs)
+  seqs, _ = run_sample(model, params, inputs, num_samples=3, **{'temperature': 2.0, **settings})
+  np.testing.assert_array_equal(seqs, np.repeat(np.asarray(greedy_seqs)[:, None], 3, axis=1))
+
+
+def test_sampling_is_deterministic_under_the_rng_and_scores_are_model_log_probs(medium):
+  model, params, inputs = medium
+  seqs, log_probs = run_sample(model, params, inputs, seed=3, num_samples=8)
+  again, _ = run_sample(model, params, inputs, seed=3, num_samples=8)
+  other, _ = run_sample(model, params, inputs, seed=4, num_samples=8)
+  np.testing.assert_array_equal(seqs, again)
+  assert not np.array_equal(seqs, other)
+  check_well_formed(seqs)
+  assert len({tuple(s) for s in seqs[0]}) > 1  # Samples of one sentence differ.
+  full = forward_log_probs(model, params, np.repeat(inputs, 8, 0), seqs.reshape(-1, 16))
+  np.testing.assert_allclose(log_probs.reshape(-1), full, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize('settings', [dict(top_k=3), dict(top_p=0.5)])
+def test_truncated_sampling_stays_in_the_allowed_set(medium, settings):
+  """Every sampled token is within the top-k / nucleus of the tempered model distribution."""
+  model, params, inputs = medium
+  temperature = 1.5
+  seqs, _ = run_sample(model, params, inputs, num_samples=8, temperature=temperature,
+                       **settings)
+  flat = seqs.reshape(-1, 16)
+  logits = forward_logits(model, params, np.repeat(inputs, 8, 0), flat)
+  probs = np.asarray(jax.nn.softmax(logits / temperature), np.float64)
+  probs[..., 0] = 0.0  # Padding is never sampled: the sampler renormalises without it.
+  more_probable = probs > np.take_along_axis(probs, flat[..., None], axis=-1)
+  ranks = more_probable.sum(-1)
+  # Sampled tokens, except a forced EOS at the length limit (the last position).
+  real = (flat > 0) & (np.arange(16) < 15)
+  if 'top_k' in settings:
+    assert np.all(ranks[real] < settings['top_k'])
+    assert np.any(ranks[real] == settings['top_k'] - 1)
+  else:
+    # Without padding the sampler's renormalised masses are larger: a weaker check.
+    mass_before = np.where(more_probable, probs, 0.0).sum(-1)
+    assert np.all(mass_before[real] < settings['top_p'] + 1e-5)
+    assert np.any(ranks[real] > 0)
