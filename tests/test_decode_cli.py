@@ -74,7 +74,7 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
 
 def test_decode_stdin_to_stdout_and_nbest(workdir):
   result = run_decode('--workdir', workdir, '--input', '-', '--nbest', '2',
-                      stdin='A dog runs.\nTwo men.\n'.encode())
+                      stdin=b'A dog runs.\nTwo men.\n')
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   lines = result.stdout.decode().split('\n')[:-1]
   assert len(lines) == 2 and all(len(line.split('\t')) == 2 for line in lines)
