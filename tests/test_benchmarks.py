@@ -1,0 +1,91 @@
+"""Smoke tests of benchmarks/train_step.py and benchmarks/plot_curves.py on tiny inputs."""
+
+import json
+
+import pytest
+
+from benchmarks import plot_curves
+from benchmarks import train_step as train_step_benchmark
+
+TINY = ['--steps', '2', '--repeats', '1', '--warmup', '1', '--vocab', '64', '--d-model', '16',
+        '--d-ff', '32', '--heads', '2', '--layers', '1', '--batch', '8', '--length', '8',
+        '--peak-size', '128', '--peak-runs', '2']
+
+
+def test_train_step_benchmark_writes_positive_numbers(tmp_path):
+  out = tmp_path / 'step.json'
+  train_step_benchmark.main(TINY + ['--json', str(out), '--breakdown'])
+  results = json.loads(out.read_text())
+  for key in ('target_tokens_per_s', 'seconds_per_step', 'first_step_s', 'xla_gflop_per_step',
+              'model_gflop_per_step', 'achieved_gflops_xla', 'achieved_gflops_model',
+              'matmul_peak_gflops', 'mfu_xla', 'mfu_model'):
+    assert results[key] > 0, key
+  assert results['target_tokens_per_step'] == 8 * 8  # Every target is a real token.
+  assert results['normalised_vs_peer']['tokens_per_s_per_peak_ratio'] > 0
+  assert {'cpu', 'cores', 'jax'} <= set(results['machine'])
+  assert {'forward', 'forward_backward', 'optimizer', 'full_step'} <= set(results['breakdown'])
+
+
+def test_analytic_flops_match_hand_count():
+  """One 1+1-layer model: 6 * kernels * tokens + attention + output projection."""
+  args = train_step_benchmark.parse_args(TINY)
+  built = train_step_benchmark.build(args)
+  flops = train_step_benchmark.analytic_flops(
+      built['state']['params'], built['config'], batch=8, source_len=8, target_len=8)
+  d, ff, vocab, tokens = 16, 32, 64, 64
+  encoder, decoder = 4 * d * d + 2 * d * ff, 8 * d * d + 2 * d * ff
+  assert flops['params_nonembedding_kernels'] == encoder + decoder
+  assert flops['dense_nonembedding'] == 6 * (encoder + decoder) * tokens
+  assert flops['attention'] == 12 * d * 8 * (8 * 8 + 8 * 8 + 8 * 8)
+  assert flops['output_projection'] == 6 * d * vocab * tokens
+
+
+def _write_metrics(path, lines):
+  path.write_text(''.join(json.dumps(line) + '\n' for line in lines))
+
+
+def test_plot_curves_merges_steps_and_writes_png(tmp_path):
+  lines = [{'step': 0, 'num_params': 123}]
+  for step in range(10, 101, 10):
+    lines.append({'step': step, 'train_loss': 5.0 - step / 50, 'train_nll': 4.0 - step / 50,
+                  'seconds_per_step': 0.5})
+    if step % 50 == 0:
+      lines.append({'step': step, 'eval_nll': 4.5 - step / 50, 'eval_bleu': step / 10.0,
+                    'eval_chrf': step / 5.0})
+  lines.append({'step': 50, 'train_loss': 1.25, 'seconds_per_step': 0.5})  # A resumed run.
+  _write_metrics(tmp_path / 'metrics.jsonl', lines)
+  with open(tmp_path / 'metrics.jsonl', 'a') as f:
+    f.write('{"step": 110, "train_lo')  # A line being written right now.
+
+  records = plot_curves.read_metrics(str(tmp_path / 'metrics.jsonl'))
+  assert records[50]['train_loss'] == 1.25  # The last value of a repeated step wins...
+  assert records[50]['eval_bleu'] == 5.0  # ...and lines of one step are merged.
+  steps, minutes = plot_curves.minutes_at(records)
+  assert minutes[-1] == pytest.approx(100 * 0.5 / 60)
+
+  path = plot_curves.main(['--workdir', str(tmp_path)])
+  assert path == str(tmp_path / 'curves.png')
+  data = (tmp_path / 'curves.png').read_bytes()
+  assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 20_000
+
+
+def test_plot_curves_uses_wall_time(tmp_path):
+  _write_metrics(tmp_path / 'metrics.jsonl', [
+      {'step': 10, 'train_loss': 3.0, 'wall_time': 1000.0},
+      {'step': 20, 'train_loss': 2.0, 'wall_time': 1120.0}])
+  steps, minutes = plot_curves.minutes_at(plot_curves.read_metrics(
+      str(tmp_path / 'metrics.jsonl')))
+  assert list(minutes) == [0.0, 2.0]
+  plot_curves.main(['--workdir', str(tmp_path), '--output', str(tmp_path / 'out' / 'c.png')])
+  assert (tmp_path / 'out' / 'c.png').stat().st_size > 10_000
+
+
+def test_plot_curves_errors_clearly(tmp_path):
+  with pytest.raises(SystemExit, match='does not exist'):
+    plot_curves.main(['--workdir', str(tmp_path)])
+  (tmp_path / 'metrics.jsonl').write_text('')
+  with pytest.raises(SystemExit, match='no metrics yet'):
+    plot_curves.main(['--workdir', str(tmp_path)])
+  _write_metrics(tmp_path / 'metrics.jsonl', [{'step': 0, 'num_params': 5}])
+  with pytest.raises(SystemExit, match='nothing|no train_loss'):
+    plot_curves.main(['--workdir', str(tmp_path)])
