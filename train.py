@@ -296,10 +296,22 @@ def evaluation_batches(sources: list[np.ndarray], targets: list[np.ndarray], row
   return batches
 
 
+def one_program_in_flight(mesh: Mesh) -> bool:
+  """Whether to wait for each multi-device program before dispatching the next.
+
+  Several CPU devices in one process run collectives on a shared thread pool; with more than
+  one such program in flight their all-reduces can wait on each other forever (seen with 8
+  fake devices on 2 cores). GPUs and TPUs keep asynchronous dispatch.
+  """
+  return jax.default_backend() == 'cpu' and mesh.devices.size > 1
+
+
 def evaluate(eval_fn, params, batches, sharding) -> dict[str, float]:
   totals = None
   for batch in batches:
     sums = eval_fn(params, replicated_batch(batch, sharding))
+    if one_program_in_flight(sharding.mesh):
+      jax.block_until_ready(sums)
     totals = sums if totals is None else jax.tree_util.tree_map(jnp.add, totals, sums)
   totals = jax.device_get(totals)
   tokens = max(float(totals['tokens']), 1.0)
@@ -413,6 +425,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     checkpoints.save(manager, step, state['params'],
                      {k: state[k] for k in ('opt_state', 'rng')}, meta)
 
+  sync_each_step = one_program_in_flight(mesh)
   loop_start = time.time()  # Wall time of this process's loop, evaluation included.
   pending = []  # Per-step device metrics, fetched once per logging interval.
   interval_start, interval_steps = time.time(), 0
@@ -423,6 +436,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   while step < config.num_train_steps and not stop_signal:
     batch = global_batch(next(train_iter), batch_sharding)
     state, metrics = step_fn(state, batch)
+    if sync_each_step:
+      jax.block_until_ready(metrics)
     step += 1
     interval_steps += 1
     pending.append(metrics)
