@@ -7,13 +7,14 @@ that restores garbage; a damaged checkpoint is skipped on restore with a warning
 
 Averaging (the paper averaged the last 5 checkpoints of base models, 20 of big ones):
 
-  python checkpoints.py --workdir runs/multi30k --average_last 5
+  python checkpoints.py --workdir runs/multi30k [--average_last N]
 
 writes `WORKDIR/averaged/` which `decode.py --checkpoint averaged` reads.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from typing import Any
@@ -153,11 +154,16 @@ def load_params(workdir: str, checkpoint: str | int | None = None,
 
 def main(argv):
   del argv
-  save_averaged(FLAGS.workdir, FLAGS.average_last)
+  count = FLAGS.average_last
+  if count is None:  # The run's own choice, from its config.
+    with open(os.path.join(FLAGS.workdir, 'config.json'), encoding='utf-8') as f:
+      count = json.load(f)['average_last_checkpoints']
+  save_averaged(FLAGS.workdir, count)
 
 
 if __name__ == '__main__':
   flags.DEFINE_string('workdir', None, 'Training workdir.', required=True)
-  flags.DEFINE_integer('average_last', 5, 'Number of newest checkpoints to average.')
+  flags.DEFINE_integer('average_last', None, 'Number of newest checkpoints to average '
+                       "(default: the run config's average_last_checkpoints).")
   FLAGS = flags.FLAGS
   app.run(main)

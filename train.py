@@ -380,7 +380,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   logging.info('Mesh: %s over %d devices on %d hosts.', dict(mesh.shape), mesh.devices.size,
                jax.process_count())
 
-  # Resume: everything but the step-independent parts comes from the newest good checkpoint.
+  # Resume from the newest good checkpoint: parameters, optimizer state, RNG, step, data position.
   manager = checkpoints.make_manager(workdir, max_to_keep=config.keep_checkpoints)
   abstract = lambda tree: jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
@@ -496,6 +496,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     save(step)
   manager.wait_until_finished()
   writer.close()
+  train_iter.close()
   for sig, handler in previous_handlers.items():
     signal.signal(sig, handler)
   if stop_signal:

@@ -263,3 +263,37 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog)
   assert result['step'] == 10
   assert (tmp_path / 'checkpoints' / '8.damaged').is_dir()
   assert not math.isnan(result['metrics']['train_loss'])
+
+
+@needs_multi30k
+@pytest.mark.slow
+def test_killed_run_resumes_to_the_same_parameters(tmp_path):
+  """SIGKILL (no chance to save) after a checkpoint, restart: same result as no kill."""
+  import subprocess
+  import sys
+  import time
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  overrides = ['--config.num_train_steps=400', '--config.checkpoint_every_steps=100',
+               '--config.eval_every_steps=1000', '--config.bleu_every_steps=1000',
+               '--config.dropout_rate=0.1']
+
+  def command(workdir):
+    return [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir',
+            str(workdir), *overrides]
+
+  straight, killed = tmp_path / 'straight', tmp_path / 'killed'
+  subprocess.run(command(straight), cwd=repo, check=True, capture_output=True, timeout=1200)
+  os.makedirs(killed)
+  (killed / 'tokenizer.model').write_bytes((straight / 'tokenizer.model').read_bytes())
+  process = subprocess.Popen(command(killed), cwd=repo, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+  deadline = time.time() + 900
+  while not (killed / 'checkpoints' / '200').is_dir() and time.time() < deadline:
+    time.sleep(0.2)
+  process.kill()
+  process.wait()
+  assert (killed / 'checkpoints' / '200').is_dir()
+  assert not (killed / 'checkpoints' / '400').is_dir(), 'the run ended before the kill'
+  subprocess.run(command(killed), cwd=repo, check=True, capture_output=True, timeout=1200)
+  _assert_trees_close(_final_params(straight), _final_params(killed), atol=1e-6)
