@@ -1,7 +1,7 @@
 """End to end on real Multi30k text: train, average checkpoints, translate, score with sacreBLEU.
 
-The fast variant (CI) trains a small model for a few minutes of CPU; the slow one trains the
-default recipe's model for longer. Each asserts a BLEU floor that an untrained or broken model
+The fast variant (CI) trains a small model for about two minutes of CPU; the slow one runs
+the README's default recipe. Each asserts a BLEU floor that an untrained or broken model
 (wrong masks, shuffled outputs, lost order) cannot reach: such a model scores below 1.
 """
 
@@ -59,18 +59,15 @@ def test_small_model_learns_to_translate(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_recipe_model_reaches_a_real_score(tmp_path):
-  config = multi30k.get_config()
-  config.num_train_steps = 1500
-  config.checkpoint_every_steps = 250
-  config.eval_every_steps = 500
-  config.bleu_every_steps = 10_000
-  scores, _ = train_translate_score(config, str(tmp_path), 1000)
-  print('default model, 1500 steps:', scores)
+def test_default_recipe_reaches_its_documented_score(tmp_path):
+  """The README's main job (~20 minutes on 2 cores): documented at 29.3 BLEU."""
+  scores, _ = train_translate_score(multi30k.get_config(), str(tmp_path), 1000)
+  print('default recipe:', scores)
   assert scores['bleu'] > SLOW_BLEU_FLOOR, scores
 
 
 # Measured 16.0 BLEU / 38.5 chrF for the small model (2026-11-22); an untrained one scores < 1.
 FAST_BLEU_FLOOR = 8.0
 FAST_CHRF_FLOOR = 25.0
-SLOW_BLEU_FLOOR = 0.0
+# The default recipe measured 29.3 (BENCHMARKS.md); the floor leaves room for run-to-run noise.
+SLOW_BLEU_FLOOR = 25.0
