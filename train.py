@@ -164,6 +164,20 @@ def init_train_state(model: Transformer, optimizer: optax.GradientTransformation
           'nonfinite_total': jnp.zeros((), jnp.int32)}
 
 
+def training_loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *,
+                  model: Transformer, label_smoothing: float) -> tuple[jax.Array, dict]:
+  """Summed label-smoothed loss of a packed batch with dropout on, and all the loss sums."""
+  logits = model.apply(
+      {'params': params}, batch['inputs'], batch['targets'],
+      inputs_segmentation=batch['inputs_segmentation'],
+      targets_segmentation=batch['targets_segmentation'],
+      inputs_positions=batch['inputs_positions'],
+      targets_positions=batch['targets_positions'], train=True, rngs={'dropout': rng})
+  sums = cross_entropy(logits, batch['targets'], (batch['targets'] > 0).astype(jnp.float32),
+                       label_smoothing)
+  return sums['loss'], sums
+
+
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Transformer,
                optimizer: optax.GradientTransformation, label_smoothing: float,
                grad_accum_steps: int) -> tuple[dict[str, Any], dict[str, jax.Array]]:
@@ -174,19 +188,8 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Tra
   or gradient skips the update and is counted.
   """
   step_rng = jax.random.fold_in(state['rng'], state['step'])
-
-  def loss_fn(params, micro_batch, rng):
-    logits = model.apply(
-        {'params': params}, micro_batch['inputs'], micro_batch['targets'],
-        inputs_segmentation=micro_batch['inputs_segmentation'],
-        targets_segmentation=micro_batch['targets_segmentation'],
-        inputs_positions=micro_batch['inputs_positions'],
-        targets_positions=micro_batch['targets_positions'], train=True, rngs={'dropout': rng})
-    sums = cross_entropy(logits, micro_batch['targets'],
-                         (micro_batch['targets'] > 0).astype(jnp.float32), label_smoothing)
-    return sums['loss'], sums
-
-  grad_fn = jax.grad(loss_fn, has_aux=True)
+  grad_fn = jax.grad(functools.partial(training_loss, model=model,
+                                       label_smoothing=label_smoothing), has_aux=True)
   if grad_accum_steps == 1:
     grads, sums = grad_fn(state['params'], batch, step_rng)
   else:

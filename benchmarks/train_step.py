@@ -206,14 +206,8 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
   params = state['params']
 
   def loss_fn(params, batch, rng):
-    logits = model.apply(
-        {'params': params}, batch['inputs'], batch['targets'],
-        inputs_segmentation=batch['inputs_segmentation'],
-        targets_segmentation=batch['targets_segmentation'],
-        inputs_positions=batch['inputs_positions'],
-        targets_positions=batch['targets_positions'], train=True, rngs={'dropout': rng})
-    weights = (batch['targets'] > 0).astype(jnp.float32)
-    return train.cross_entropy(logits, batch['targets'], weights, config.label_smoothing)['loss']
+    return train.training_loss(params, batch, rng, model=model,
+                               label_smoothing=config.label_smoothing)[0]
 
   def output_layer(hidden, embedding, targets):
     logits = (hidden @ embedding.T).astype(jnp.float32)
