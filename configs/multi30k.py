@@ -6,8 +6,8 @@ step, the paper's Adam schedule (peak 0.002 after 1,000 warmup steps), dropout a
 smoothing 0.1. Two budgets, measured on a 2-core CPU (Intel Xeon, no GPU, jax 0.10.2) on
 2026-11-22, scored on test_2016_flickr with sacreBLEU (13a, cased), beam 4, alpha 0.6:
 
-  configs/multi30k.py        1,000 steps, ~20 min; average of the last 3 checkpoints:
-                             29.3 BLEU (29.6 lowercased), chrF 51.8.
+  configs/multi30k.py        1,000 steps, 14 min; average of the last 3 checkpoints:
+                             29.25 BLEU (29.5 lowercased), chrF 52.1.
   configs/multi30k.py:full   3,250 steps, ~57 min; average of the last 5 checkpoints:
                              39.5 BLEU (39.9 lowercased), chrF 63.1.
 
@@ -25,7 +25,7 @@ import ml_collections
 
 
 def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
-  """budget: 'quick' (~20 min on 2 CPU cores) or 'full' (~60 min)."""
+  """budget: 'quick' (~15 min on 2 CPU cores) or 'full' (~60 min)."""
   if budget not in ('quick', 'full'):
     raise ValueError(f"budget must be 'quick' or 'full', got {budget!r}.")
   config = ml_collections.ConfigDict()
