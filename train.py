@@ -10,6 +10,12 @@ pass --distributed.
 
 from __future__ import annotations
 
+if __name__ == '__main__':
+  # First, before the heavy imports: this may restart the interpreter (see glibc_malloc.py).
+  import glibc_malloc
+
+  glibc_malloc.reexec_with_malloc_settings()
+
 import functools
 import json
 import math

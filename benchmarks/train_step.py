@@ -19,6 +19,11 @@ jitted functions.
 
 from __future__ import annotations
 
+if __name__ == '__main__':
+  import glibc_malloc  # As train.py does; TRANSFORMER_KEEP_MALLOC=1 measures without it.
+
+  glibc_malloc.reexec_with_malloc_settings()
+
 import argparse
 import functools
 import json
@@ -64,6 +69,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--layers', type=int, default=3, help='Encoder and decoder layers each.')
   parser.add_argument('--batch', type=int, default=64)
   parser.add_argument('--length', type=int, default=32)
+  parser.add_argument('--dropout', type=float, default=0.1, help='0 shows what dropout costs.')
   parser.add_argument('--peak-size', type=int, default=2048, help='Matmul size for the peak.')
   parser.add_argument('--peak-runs', type=int, default=10)
   return parser.parse_args(argv)
@@ -74,7 +80,7 @@ def make_config(args: argparse.Namespace):
   config = multi30k.get_config()
   config.update(
       vocab_size=args.vocab, d_model=args.d_model, d_ff=args.d_ff, num_heads=args.heads,
-      num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=0.1,
+      num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=args.dropout,
       attention_dropout_rate=0.0, label_smoothing=0.1, batch_size=args.batch,
       max_length=args.length, dtype=args.dtype, grad_accum_steps=1, weight_decay=0.0,
       grad_clip_norm=0.0)
@@ -257,7 +263,8 @@ def machine() -> dict:
   cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()
   return {'cpu': model_name, 'cores': cores, 'jax': jax.__version__, 'flax': flax.__version__,
           'backend': jax.default_backend(), 'devices': jax.device_count(),
-          'xla_flags': os.environ.get('XLA_FLAGS', '')}
+          'xla_flags': os.environ.get('XLA_FLAGS', ''),
+          'glibc_tunables': os.environ.get('GLIBC_TUNABLES', '')}
 
 
 # ----------------------------------------------------------------------------- main
