@@ -143,14 +143,17 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   # sum of logits, so the [batch, length, vocab] log-probabilities are never materialised
   # (a third of a CPU training step went to passes over them).
   log_normaliser = jax.nn.logsumexp(logits, axis=-1)
-  nll = log_normaliser - jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  nll = log_normaliser - target_logit
   confidence = 1.0 - label_smoothing
   low = label_smoothing / (vocab - 1)
   # Equivalent to the cross-entropy against smoothed one-hot targets without building them.
   smoothed = (confidence - low) * nll - low * (logits.sum(-1) - vocab * log_normaliser)
   if label_smoothing > 0:
     smoothed -= -(confidence * math.log(confidence) + (vocab - 1) * low * math.log(low))
-  correct = (jnp.argmax(logits, -1) == targets).astype(jnp.float32)
+  # Correct when the target's logit is the largest (a tie counts as correct). XLA:CPU's argmax
+  # (a variadic reduce) took 25 ms of a 620 ms step; a max reduce is a fraction of that.
+  correct = (target_logit >= jnp.max(logits, axis=-1)).astype(jnp.float32)
   return {'loss': (smoothed * weights).sum(), 'nll': (nll * weights).sum(),
           'correct': (correct * weights).sum(), 'tokens': weights.sum()}
 

@@ -67,6 +67,7 @@ def test_label_smoothed_loss_matches_explicit_smoothed_targets():
   vocab, smoothing = 11, 0.1
   logits = rng.normal(size=(2, 5, vocab)).astype(np.float32) * 3
   targets = rng.integers(3, vocab, (2, 5))
+  targets[0, :3] = logits[0, :3].argmax(-1)  # Some correct predictions for the accuracy count.
   weights = (rng.random((2, 5)) > 0.3).astype(np.float32)
   sums = train.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights),
                              smoothing)
@@ -80,6 +81,8 @@ def test_label_smoothed_loss_matches_explicit_smoothed_targets():
   nll = -np.take_along_axis(np.asarray(log_probs), targets[..., None], -1)[..., 0]
   np.testing.assert_allclose(float(sums['nll']), (nll * weights).sum(), rtol=1e-5)
   assert float(sums['tokens']) == weights.sum()
+  correct = (logits.argmax(-1) == targets) * weights
+  assert correct.sum() > 0 and float(sums['correct']) == correct.sum()
 
 
 def _setup(config, devices, vocab=40):
