@@ -606,3 +606,45 @@ def test_config_errors():
   encoded = apply(short, method='encode')
   with pytest.raises(ValueError, match=r'Decoding length 9 exceeds .*max_len=8'):
     apply(encoded, short, 1, 9, method='init_decode_cache')
+
+
+# --------------------------------------------------------------------------------------------
+# 11. Dropout's counter-based keep mask.
+
+
+def test_dropout_keep_mask_is_bernoulli_and_independent():
+  keep_prob, shape = 0.9, (64, 128, 128)  # 1M entries.
+  mask = np.asarray(jax.jit(transformer_lib.dropout_keep_mask, static_argnums=(1, 2))(
+      jax.random.key(0), shape, keep_prob))
+  n = mask.size
+  sigma = math.sqrt(keep_prob * (1 - keep_prob) / n)
+  assert abs(mask.mean() - keep_prob) < 5 * sigma
+  # No structure along any axis or between neighbours: per-slice rates and lagged agreement.
+  for axis in range(3):
+    rates = mask.mean(axis=tuple(a for a in range(3) if a != axis))
+    slice_sigma = math.sqrt(keep_prob * (1 - keep_prob) / (n // shape[axis]))
+    assert np.abs(rates - keep_prob).max() < 6 * slice_sigma
+  flat = mask.reshape(-1).astype(np.float64)
+  for lag in (1, 2, 16, 128, 128 * 128):
+    correlation = np.corrcoef(flat[:-lag], flat[lag:])[0, 1]
+    assert abs(correlation) < 5 / math.sqrt(n), (lag, correlation)
+  # Another key gives an independent mask; the same key the same mask.
+  other = np.asarray(transformer_lib.dropout_keep_mask(jax.random.key(1), shape, keep_prob))
+  both = (mask & other).mean()
+  assert abs(both - keep_prob**2) < 5 * math.sqrt(keep_prob**2 * (1 - keep_prob**2) / n)
+  again = np.asarray(transformer_lib.dropout_keep_mask(jax.random.key(0), shape, keep_prob))
+  assert np.array_equal(mask, again)
+
+
+def test_dropout_module_scales_kept_entries_and_is_off_in_eval():
+  x = jax.random.normal(jax.random.key(3), (8, 16, 32))
+  layer = transformer_lib.Dropout(rate=0.25)
+  out = np.asarray(layer.apply({}, x, deterministic=False, rngs={'dropout': jax.random.key(4)}))
+  kept = out != 0
+  np.testing.assert_allclose(out[kept], np.asarray(x)[kept] / 0.75, rtol=1e-6)
+  assert 0.65 < kept.mean() < 0.85
+  assert np.array_equal(np.asarray(layer.apply({}, x, deterministic=True)), np.asarray(x))
+  # Its gradient is the same mask and scale.
+  grad = np.asarray(jax.grad(lambda v: layer.apply(
+      {}, v, deterministic=False, rngs={'dropout': jax.random.key(4)}).sum())(x))
+  np.testing.assert_allclose(grad, np.where(kept, 1 / 0.75, 0.0), rtol=1e-6)
