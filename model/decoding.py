@@ -122,6 +122,16 @@ def _chunked_while_loop(cond: Callable, body_for: Callable, state: dict[str, Any
   return state
 
 
+def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: bool) -> Array:
+  """[batch, 1, vocab] bool: the tokens the decoding rules allow at position `step`."""
+  ids = jnp.arange(vocab)
+  allowed = ids != PAD_ID
+  if force_full_length:
+    allowed &= ids != EOS_ID
+  last = (step + 1 >= limits)[:, None, None]  # The last allowed position: EOS only.
+  return jnp.where(last, ids == EOS_ID, allowed)
+
+
 def _next_log_probs(logits: Array, step: Array, limits: Array,
                     force_full_length: bool) -> Array:
   """Log-probabilities of the next token with the decoding rules applied (forbidden: -inf).
@@ -133,14 +143,63 @@ def _next_log_probs(logits: Array, step: Array, limits: Array,
   Returns:
     [batch, width, vocab] float32.
   """
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
-  vocab = jnp.arange(logits.shape[-1])
-  allowed = vocab != PAD_ID
-  if force_full_length:
-    allowed &= vocab != EOS_ID
-  last = (step + 1 >= limits)[:, None, None]  # The last allowed position: EOS only.
-  allowed = jnp.where(last, vocab == EOS_ID, allowed)
-  return jnp.where(allowed, log_probs, NEG_INF)
+  allowed = _allowed_tokens(logits.shape[-1], step, limits, force_full_length)
+  return jnp.where(allowed, jax.nn.log_softmax(logits, axis=-1), NEG_INF)
+
+
+_BLOCK = 128  # Vocabulary block of `_best_extensions`.
+
+
+def _best_extensions(logits: Array, hypothesis_log_probs: Array, step: Array, limits: Array,
+                     force_full_length: bool, k: int) -> tuple[Array, Array]:
+  """`lax.top_k` of every extension's score, without scoring or sorting every extension.
+
+  Equal, ties and all, to `top_k((hypothesis_log_probs[..., None] + _next_log_probs(logits,
+  ...)).reshape(batch, -1), k)`. XLA:CPU's top_k over 4 x 8000 scores per sentence took 1.1 ms
+  of a 10 ms beam-search step, and scoring them another 0.7 ms. Instead: the maximum of each
+  vocabulary block of each hypothesis (one cheap reduction); the k best blocks by the score of
+  their maximum, which hold the k best extensions (a block holding one of them has a maximum
+  that fewer than k extensions beat, each in its own block); top_k over those k blocks only.
+  A score rounds monotonically in its logit, so a block's best score is its maximum's score.
+
+  Args:
+    logits: [batch, beam, vocab] float32.
+    hypothesis_log_probs: [batch, beam] float32, -inf for no hypothesis.
+    step, limits, force_full_length: as for `_next_log_probs`.
+    k: how many extensions.
+  Returns:
+    scores [batch, k] (best first) and flat indices [batch, k] into [beam, vocab].
+  """
+  batch, beam, vocab = logits.shape
+  if k * _BLOCK >= beam * vocab:  # Small vocabularies: the blocks would be all of it.
+    scores = hypothesis_log_probs[:, :, None] + _next_log_probs(logits, step, limits,
+                                                                 force_full_length)
+    return jax.lax.top_k(scores.reshape(batch, beam * vocab), k)
+  blocks = -(-vocab // _BLOCK)
+  masked = jnp.where(_allowed_tokens(vocab, step, limits, force_full_length), logits, NEG_INF)
+  masked = jnp.pad(masked, [(0, 0), (0, 0), (0, blocks * _BLOCK - vocab)],
+                   constant_values=NEG_INF).reshape(batch, beam * blocks, _BLOCK)
+  # jax.nn.log_softmax's own arithmetic, so selected scores are bit-identical to it.
+  row_max = jnp.max(logits, axis=-1)  # [batch, beam]
+  shifted_log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1))
+
+  def score(x: Array, rows: Array) -> Array:  # x [batch, n, ...] of hypotheses rows [batch, n].
+    take = lambda t: jnp.take_along_axis(t, rows, axis=1).reshape(
+        rows.shape + (1,) * (x.ndim - 2))
+    return take(hypothesis_log_probs) + ((x - take(row_max)) - take(shifted_log_sum))
+
+  block_rows = jnp.broadcast_to(jnp.arange(beam * blocks) // blocks, (batch, beam * blocks))
+  _, best_blocks = jax.lax.top_k(score(jnp.max(masked, axis=-1), block_rows), k)
+  # In index order, so that top_k breaks ties between blocks as it would on all the scores.
+  best_blocks = jnp.sort(best_blocks, axis=1)
+  candidates = score(jnp.take_along_axis(masked, best_blocks[..., None], axis=1),
+                     best_blocks // blocks)  # [batch, k, _BLOCK]
+  scores, position = jax.lax.top_k(candidates.reshape(batch, k * _BLOCK), k)
+  block = jnp.take_along_axis(best_blocks, position // _BLOCK, axis=1)
+  # A padding entry (-inf) is only chosen when fewer than k extensions are allowed; any
+  # -inf pick is as good as another, so clamp it into the vocabulary.
+  token = jnp.minimum((block % blocks) * _BLOCK + position % _BLOCK, vocab - 1)
+  return scores, (block // blocks) * vocab + token
 
 
 def _gather_beams(x: Array, indices: Array) -> Array:
@@ -210,12 +269,11 @@ def beam_search(model: Transformer, params: Any, inputs: Array, *, beam_size: in
     step = state['step']
     logits, cache = _decode_step(model, params, state['tokens'], step, state['cache'],
                                  state['slots'][:, :, :view])
-    log_probs = _next_log_probs(logits, step, limits, force_full_length)
-    vocab = log_probs.shape[-1]
+    vocab = logits.shape[-1]
     # The 2 * beam best extensions over all beams: at most `beam` of them are EOS (one per
     # beam), so at least `beam` can stay live.
-    scores = state['log_probs'][:, :, None] + log_probs  # [batch, beam, vocab]
-    cand_log_probs, flat = jax.lax.top_k(scores.reshape(batch, beam * vocab), 2 * beam)
+    cand_log_probs, flat = _best_extensions(logits, state['log_probs'], step, limits,
+                                            force_full_length, 2 * beam)
     parents, tokens = flat // vocab, flat % vocab  # [batch, 2 * beam]
     cand_seqs = _set_position(_gather_beams(state['seqs'], parents), step, tokens)
     is_eos = tokens == EOS_ID

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from model import (
-    EOS_ID,
-    Transformer,
-    TransformerConfig,
-    beam_search,
-    greedy_search,
-    length_penalty,
-    sample,
+  EOS_ID,
+  Transformer,
+  TransformerConfig,
+  beam_search,
+  decoding,
+  greedy_search,
+  length_penalty,
+  sample,
 )
 
 ALPHA = 0.6
@@ -246,3 +247,51 @@ def test_truncated_sampling_stays_in_the_allowed_set(medium, settings):
     mass_before = np.where(more_probable, probs, 0.0).sum(-1)
     assert np.all(mass_before[real] < settings['top_p'] + 1e-5)
     assert np.any(ranks[real] > 0)
+
+
+@pytest.mark.parametrize('vocab', [1000, 1024, 600])  # Last block padded or not.
+def test_best_extensions_equal_top_k_over_every_extension(vocab):
+  rng = np.random.default_rng(5)
+  batch, beam, k = 6, 4, 8
+  logits = rng.normal(size=(batch, beam, vocab)).astype(np.float32) * 3
+  # Ties within and across hypotheses and blocks, and duplicate hypothesis scores.
+  logits[0, :, :] = np.round(logits[0, :, :])
+  logits[1, 1] = logits[1, 0]
+  hypothesis_log_probs = rng.normal(size=(batch, beam)).astype(np.float32) - 5
+  hypothesis_log_probs[1, 1] = hypothesis_log_probs[1, 0]
+  hypothesis_log_probs[2, 1:] = -np.inf  # Step 0: one hypothesis.
+  limits = np.array([50, 50, 50, 4, 4, 50], np.int32)  # Sentences 3, 4 at their last step.
+  step = jnp.asarray(3, jnp.int32)
+  for force_full_length in (False, True):
+    log_probs = decoding._next_log_probs(jnp.asarray(logits), step, jnp.asarray(limits),
+                                         force_full_length)
+    scores = jnp.asarray(hypothesis_log_probs)[:, :, None] + log_probs
+    want_scores, want_flat = jax.lax.top_k(scores.reshape(batch, -1), k)
+    got_scores, got_flat = jax.jit(decoding._best_extensions, static_argnums=(4, 5))(
+        jnp.asarray(logits), jnp.asarray(hypothesis_log_probs), step, jnp.asarray(limits),
+        force_full_length, k)
+    np.testing.assert_array_equal(np.asarray(got_scores), np.asarray(want_scores))
+    finite = np.isfinite(np.asarray(want_scores))
+    assert finite[:3].all() and not finite[3:5].all()  # Sentences 3, 4: only EOS allowed.
+    np.testing.assert_array_equal(np.asarray(got_flat)[finite], np.asarray(want_flat)[finite])
+    assert np.asarray(got_flat).max() < beam * vocab
+
+
+def test_beam_search_with_vocabulary_blocks_equals_plain_top_k(monkeypatch):
+  model, params = make_model(600, seed=3, scale=1.0, eos_bias=0.0)
+  # d_model < vocab: no direction reaches EOS alone; push along its embedding instead.
+  eos = np.asarray(params['embed']['embedding'][EOS_ID])
+  params['decoder_layers_1']['feed_forward_sublayer']['norm']['bias'] = jnp.asarray(
+      3.0 * eos / (eos @ eos), jnp.float32)
+  inputs = random_sources(np.random.default_rng(2), [7, 3, 5, 1, 6, 2], 600)
+  # Limits of source length + 4: some sentences also end at theirs, where only EOS is allowed.
+  search = lambda: jax.jit(functools.partial(beam_search, model, beam_size=4, nbest=2,
+                                             max_extra_length=4))(params, inputs)
+  blocked = search()
+  monkeypatch.setattr(decoding, '_BLOCK', 10**6)  # Every vocabulary is "small": plain top_k.
+  plain = search()
+  np.testing.assert_array_equal(np.asarray(blocked[0]), np.asarray(plain[0]))
+  np.testing.assert_array_equal(np.asarray(blocked[1]), np.asarray(plain[1]))
+  lengths = (np.asarray(plain[0]) > 0).sum(-1)
+  limits = np.array([7, 3, 5, 1, 6, 2]) + 4
+  assert (lengths < limits[:, None]).any() and (lengths == limits[:, None]).any(), lengths
