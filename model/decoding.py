@@ -147,7 +147,12 @@ def _next_log_probs(logits: Array, step: Array, limits: Array,
   return jnp.where(allowed, jax.nn.log_softmax(logits, axis=-1), NEG_INF)
 
 
-_BLOCK = 128  # Vocabulary block of `_best_extensions`.
+_BLOCK = 128  # `_best_extensions` block when no divisor of the vocabulary fits.
+
+
+def _block_size(vocab: int) -> int:
+  """The largest divisor of `vocab` in [64, 256] (blocks then need no padding copy), or _BLOCK."""
+  return next((b for b in range(256, 63, -1) if vocab % b == 0), _BLOCK)
 
 
 def _best_extensions(logits: Array, hypothesis_log_probs: Array, step: Array, limits: Array,
@@ -171,14 +176,18 @@ def _best_extensions(logits: Array, hypothesis_log_probs: Array, step: Array, li
     scores [batch, k] (best first) and flat indices [batch, k] into [beam, vocab].
   """
   batch, beam, vocab = logits.shape
-  if k * _BLOCK >= beam * vocab:  # Small vocabularies: the blocks would be all of it.
+  size = _block_size(vocab)
+  if k * size >= beam * vocab:  # Small vocabularies: the blocks would be all of it.
     scores = hypothesis_log_probs[:, :, None] + _next_log_probs(logits, step, limits,
                                                                  force_full_length)
     return jax.lax.top_k(scores.reshape(batch, beam * vocab), k)
-  blocks = -(-vocab // _BLOCK)
-  masked = jnp.where(_allowed_tokens(vocab, step, limits, force_full_length), logits, NEG_INF)
-  masked = jnp.pad(masked, [(0, 0), (0, 0), (0, blocks * _BLOCK - vocab)],
-                   constant_values=NEG_INF).reshape(batch, beam * blocks, _BLOCK)
+  blocks = -(-vocab // size)
+  allowed = _allowed_tokens(vocab, step, limits, force_full_length)  # [batch, 1, vocab]
+  masked = jnp.where(allowed, logits, NEG_INF)
+  if blocks * size > vocab:  # Costs a copy of the logits: only when no divisor fits.
+    masked = jnp.pad(masked, [(0, 0), (0, 0), (0, blocks * size - vocab)],
+                     constant_values=NEG_INF)
+  masked = masked.reshape(batch, beam * blocks, size)
   # jax.nn.log_softmax's own arithmetic, so selected scores are bit-identical to it.
   row_max = jnp.max(logits, axis=-1)  # [batch, beam]
   shifted_log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1))
@@ -193,12 +202,12 @@ def _best_extensions(logits: Array, hypothesis_log_probs: Array, step: Array, li
   # In index order, so that top_k breaks ties between blocks as it would on all the scores.
   best_blocks = jnp.sort(best_blocks, axis=1)
   candidates = score(jnp.take_along_axis(masked, best_blocks[..., None], axis=1),
-                     best_blocks // blocks)  # [batch, k, _BLOCK]
-  scores, position = jax.lax.top_k(candidates.reshape(batch, k * _BLOCK), k)
-  block = jnp.take_along_axis(best_blocks, position // _BLOCK, axis=1)
+                     best_blocks // blocks)  # [batch, k, size]
+  scores, position = jax.lax.top_k(candidates.reshape(batch, k * size), k)
+  block = jnp.take_along_axis(best_blocks, position // size, axis=1)
   # A padding entry (-inf) is only chosen when fewer than k extensions are allowed; any
   # -inf pick is as good as another, so clamp it into the vocabulary.
-  token = jnp.minimum((block % blocks) * _BLOCK + position % _BLOCK, vocab - 1)
+  token = jnp.minimum((block % blocks) * size + position % size, vocab - 1)
   return scores, (block // blocks) * vocab + token
 
 

@@ -249,7 +249,7 @@ def test_truncated_sampling_stays_in_the_allowed_set(medium, settings):
     assert np.any(ranks[real] > 0)
 
 
-@pytest.mark.parametrize('vocab', [1000, 1024, 600])  # Last block padded or not.
+@pytest.mark.parametrize('vocab', [1000, 1021, 600])  # Blocks of 250, 128 (padded), 200.
 def test_best_extensions_equal_top_k_over_every_extension(vocab):
   rng = np.random.default_rng(5)
   batch, beam, k = 6, 4, 8
@@ -288,7 +288,7 @@ def test_beam_search_with_vocabulary_blocks_equals_plain_top_k(monkeypatch):
   search = lambda: jax.jit(functools.partial(beam_search, model, beam_size=4, nbest=2,
                                              max_extra_length=4))(params, inputs)
   blocked = search()
-  monkeypatch.setattr(decoding, '_BLOCK', 10**6)  # Every vocabulary is "small": plain top_k.
+  monkeypatch.setattr(decoding, '_block_size', lambda vocab: 10**6)  # Plain top_k.
   plain = search()
   np.testing.assert_array_equal(np.asarray(blocked[0]), np.asarray(plain[0]))
   np.testing.assert_array_equal(np.asarray(blocked[1]), np.asarray(plain[1]))
