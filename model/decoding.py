@@ -99,10 +99,10 @@ def _chunk_ends(length: int, chunk: int | None) -> list[int]:
   return list(range(chunk, length, chunk)) + [length]
 
 
-def _grow_cache(cache: dict[str, Any], length: int) -> dict[str, Any]:
-  """Pads the self-attention cache ([batch, beam, len, heads, hd]) to `length` steps."""
+def _grow_cache(cache: dict[str, Any], length: int, width: int) -> dict[str, Any]:
+  """Pads the self-attention cache ([batch, heads, head_dim, len * width]) to `length` steps."""
   def grow(layer):
-    pad = lambda t: jnp.pad(t, [(0, 0), (0, 0), (0, length - t.shape[2]), (0, 0), (0, 0)])
+    pad = lambda t: jnp.pad(t, [(0, 0)] * 3 + [(0, length * width - t.shape[3])])
     return {**layer, 'self_keys': pad(layer['self_keys']),
             'self_values': pad(layer['self_values'])}
   return {**cache, 'layers': [grow(layer) for layer in cache['layers']]}
@@ -116,8 +116,9 @@ def _chunked_while_loop(cond: Callable, body_for: Callable, state: dict[str, Any
   [ends[i-1], ends[i]) runs on a cache of ends[i] steps, grown between loops: early steps
   skip most of the attention work. `body_for(length)` is the body for a cache of `length`.
   """
+  width = state['tokens'].shape[1]
   for end in ends:
-    state = {**state, 'cache': _grow_cache(state['cache'], end)}
+    state = {**state, 'cache': _grow_cache(state['cache'], end, width)}
     state = jax.lax.while_loop(lambda s: cond(s) & (s['step'] < end), body_for(end), state)
   return state
 
