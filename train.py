@@ -5,7 +5,8 @@
 Restarting with the same workdir resumes from the newest checkpoint (parameters, optimizer
 state, step, RNG and data position). SIGTERM/SIGINT save a checkpoint and exit. On several
 hosts, set JAX_COORDINATOR_ADDRESS (or run under a launcher that jax.distributed detects) and
-pass --distributed.
+pass --distributed. On Linux with glibc it first restarts itself once with malloc settings that
+keep XLA:CPU's per-step buffers mapped (glibc_malloc.py; TRANSFORMER_KEEP_MALLOC=1 turns that off).
 """
 
 from __future__ import annotations
