@@ -164,6 +164,19 @@ def dropout_keep_mask(key: Array, shape: tuple[int, ...], keep_prob: float) -> A
   return bits < jnp.uint32(min(round(keep_prob * 2**32), 2**32 - 1))
 
 
+def on_rows(layer: Callable[[Array], Array], x: Array, feature_dims: int = 1) -> Array:
+  """layer(x) on x's leading (batch, position) axes flattened into one row axis.
+
+  x: [..., *features] with `feature_dims` feature axes -> layer's output with x's leading axes.
+  Rank-2 products are what XLA:CPU's matmul libraries take as they are: on [batch, length,
+  features] arrays it transposes activations and gradients to compute each weight gradient
+  (about 10% of a training step).
+  """
+  leading = x.shape[:x.ndim - feature_dims]
+  y = layer(x.reshape((-1,) + x.shape[x.ndim - feature_dims:]))
+  return y.reshape(leading + y.shape[1:])
+
+
 class Dropout(nn.Module):
   """Inverted dropout (Section 5.4): zero each entry with probability `rate`, scale the rest.
 
@@ -206,7 +219,7 @@ class MultiHeadAttention(nn.Module):
 
   def project_keys_values(self, x: Array) -> tuple[Array, Array]:
     """[batch, length, d_model] -> keys, values [batch, length, heads, head_dim]."""
-    return self.key(x), self.value(x)
+    return on_rows(self.key, x), on_rows(self.value, x)
 
   def attend(self, x: Array, keys: Array, values: Array, mask: Array, train: bool) -> Array:
     """Queries from x [batch, q_len, d_model] attend to projected keys/values.
@@ -220,7 +233,7 @@ class MultiHeadAttention(nn.Module):
       [batch, q_len, d_model].
     """
     c = self.config
-    query = self.query(x)
+    query = on_rows(self.query, x)
     use_dropout = train and c.attention_dropout_rate > 0
     if c.attention_probs == 'softmax' and not use_dropout:
       # One fused call: cuDNN/flash kernels on GPU, XLA's fusion on CPU/TPU.
@@ -230,7 +243,7 @@ class MultiHeadAttention(nn.Module):
       weights = self.attention_dropout(self._weights(logits, mask),
                                        deterministic=not use_dropout)
       context = jnp.einsum('bhqk,bkhd->bqhd', weights, values)
-    return self.out(context)
+    return on_rows(self.out, context, feature_dims=2)
 
   def _weights(self, logits: Array, mask: Array) -> Array:
     """Attention probabilities [batch, heads, q_len, k_len] from masked logits."""
@@ -246,10 +259,11 @@ class MultiHeadAttention(nn.Module):
     beam-search step). Returns [batch, q_len, d_model] for x [batch, q_len, d_model].
     """
     c = self.config
-    query = self.query(x) / np.sqrt(c.head_dim).astype(c.dtype)  # [batch, q_len, heads, hd]
+    # [batch, q_len, heads, head_dim]
+    query = on_rows(self.query, x) / np.sqrt(c.head_dim).astype(c.dtype)
     logits = jnp.einsum('bhqd,bhdk->bhqk', query.transpose(0, 2, 1, 3), keys_t)
     context = jnp.einsum('bhdk,bhqk->bhdq', values_t, self._weights(logits, mask))
-    return self.out(context.transpose(0, 3, 1, 2))
+    return on_rows(self.out, context.transpose(0, 3, 1, 2), feature_dims=2)
 
   def __call__(self, x: Array, context: Array, mask: Array, train: bool) -> Array:
     keys, values = self.project_keys_values(context)
@@ -266,8 +280,9 @@ class FeedForward(nn.Module):
     c = self.config
     dense = functools.partial(nn.Dense, dtype=c.dtype, param_dtype=c.param_dtype,
                               kernel_init=nn.initializers.xavier_uniform())
-    hidden = ACTIVATIONS[c.activation](dense(c.d_ff, name='hidden')(x))
-    return dense(c.d_model, name='output')(hidden)
+    feed_forward = lambda rows: dense(c.d_model, name='output')(
+        ACTIVATIONS[c.activation](dense(c.d_ff, name='hidden')(rows)))
+    return on_rows(feed_forward, x)
 
 
 class SublayerConnection(nn.Module):
@@ -424,9 +439,9 @@ class Transformer(nn.Module):
     if self.config.pre_norm:
       y = self.decoder_norm(y)
     if self.config.share_embeddings:
-      logits = self.embed.attend(y)
+      logits = on_rows(self.embed.attend, y)
     else:
-      logits = self.output_projection(y)
+      logits = on_rows(self.output_projection, y)
     return logits.astype(jnp.float32)
 
   def _check_length(self, length: int, what: str):
