@@ -197,6 +197,9 @@ def test_bad_config_errors_before_compiling():
     train.make_mesh(small_config(mesh_shape='data:3'))
   with pytest.raises(train.ConfigError, match='dtype'):
     train.validate_config(small_config(dtype='float16'), train.make_mesh(small_config()))
+  with pytest.raises(train.ConfigError, match='learning_rate_scale'):
+    train.validate_config(small_config(learning_rate_scale=float('nan')),
+                          train.make_mesh(small_config()))
 
 
 # --------------------------------------------------------------- full runs on real data
