@@ -648,3 +648,34 @@ def test_dropout_module_scales_kept_entries_and_is_off_in_eval():
   grad = np.asarray(jax.grad(lambda v: layer.apply(
       {}, v, deterministic=False, rngs={'dropout': jax.random.key(4)}).sum())(x))
   np.testing.assert_allclose(grad, np.where(kept, 1 / 0.75, 0.0), rtol=1e-6)
+
+
+@pytest.mark.parametrize('dtype, atol', [(jnp.float32, 2e-5), (jnp.bfloat16, 5e-2)])
+def test_layer_norm_matches_flax_in_values_and_gradients(dtype, atol):
+  # The model's LayerNorm has a hand-written gradient: it must be nn.LayerNorm's, exactly
+  # in float32 (up to rounding), on random inputs whose rows have non-zero means.
+  keys = jax.random.split(jax.random.key(7), 5)
+  x = (jax.random.normal(keys[0], (3, 5, 48)) * 2 + jax.random.normal(keys[1], (3, 5, 1)))
+  params = {'scale': 1 + 0.3 * jax.random.normal(keys[2], (48,)),
+            'bias': 0.3 * jax.random.normal(keys[3], (48,))}
+  cotangent = jax.random.normal(keys[4], x.shape)
+  ours = transformer_lib.LayerNorm(epsilon=1e-6, dtype=dtype)
+  flax_norm = nn.LayerNorm(epsilon=1e-6, dtype=dtype)
+  assert jax.tree_util.tree_structure(ours.init(keys[0], x)) == jax.tree_util.tree_structure(
+      flax_norm.init(keys[0], x))
+
+  def value_and_grads(module):
+    def f(params, x):
+      return module.apply({'params': params}, x.astype(dtype))
+    y, vjp = jax.vjp(f, params, x)
+    return y, vjp(cotangent.astype(y.dtype))
+
+  (y, (dparams, dx)), (y_ref, (dparams_ref, dx_ref)) = (value_and_grads(ours),
+                                                        value_and_grads(flax_norm))
+  assert y.dtype == y_ref.dtype == dtype
+  f32 = lambda a: np.asarray(a, np.float32)
+  np.testing.assert_allclose(f32(y), f32(y_ref), atol=atol)
+  np.testing.assert_allclose(f32(dx), f32(dx_ref), atol=atol, rtol=atol)
+  for name in ('scale', 'bias'):
+    np.testing.assert_allclose(f32(dparams[name]), f32(dparams_ref[name]), atol=atol * 10,
+                               rtol=atol)
