@@ -168,7 +168,11 @@ def test_gradient_accumulation_equals_one_big_batch():
   accum_params, accum_losses = _run_steps(small_config(grad_accum_steps=4), jax.devices()[:2],
                                           batches)
   np.testing.assert_allclose(big_losses, accum_losses, rtol=1e-5)
-  _assert_trees_close(big_params, accum_params, atol=1e-5)
+  # Parameters move by up to ~7e-2 here. Summing the gradient in four parts rounds
+  # differently, and Adam scales an entry whose gradient is near zero up to a full-size step,
+  # so single entries can differ by a few 1e-5 (one here: 2.3e-5, 0.1% of its move); the rest
+  # agree to ~1e-6. Weighting one micro-batch 10% too much moves entries by ~2e-3 (checked).
+  _assert_trees_close(big_params, accum_params, atol=5e-5)
 
 
 def test_nonfinite_update_is_skipped_and_counted():
