@@ -245,7 +245,8 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Tra
       'nonfinite_in_a_row': jnp.where(finite, 0, state['nonfinite_in_a_row'] + 1),
       'nonfinite_total': state['nonfinite_total'] + (~finite).astype(jnp.int32),
   }
-  metrics = dict(sums, grad_norm=grad_norm, finite=finite)
+  metrics = dict(sums, grad_norm=grad_norm, finite=finite,
+                 nonfinite_in_a_row=new_state['nonfinite_in_a_row'])
   return new_state, metrics
 
 
@@ -371,6 +372,19 @@ class MetricsWriter:
       self.tensorboard.close()
 
 
+def check_nonfinite_streak(step_metrics: list[dict], limit: int, step: int) -> None:
+  """Raises FloatingPointError if `limit` steps in a row were skipped as non-finite.
+
+  step_metrics: the fetched metrics of each step since the last check (their
+  'nonfinite_in_a_row' counters), so a streak that ended between two checks still counts.
+  """
+  longest = max((int(m['nonfinite_in_a_row']) for m in step_metrics), default=0)
+  if longest >= limit:
+    raise FloatingPointError(
+        f'{longest} consecutive steps had a non-finite loss or gradient (checked at step {step}; '
+        f'the limit, max_consecutive_nonfinite, is {limit}); stopping.')
+
+
 def format_duration(seconds: float) -> str:
   seconds = int(max(seconds, 0))
   hours, rest = divmod(seconds, 3600)
@@ -381,7 +395,28 @@ def format_duration(seconds: float) -> str:
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
-  """Runs (or resumes) training; returns the final state's params and last metrics."""
+  """Runs (or resumes) training; returns the final state's params and last metrics.
+
+  SIGTERM/SIGINT at any point, data loading and compilation included, end the run after the
+  current step with a checkpoint.
+  """
+  stop_signal = []
+
+  def request_stop(signum, frame):
+    del frame
+    logging.warning('Received signal %d: saving a checkpoint and stopping.', signum)
+    stop_signal.append(signum)
+
+  previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    return _train_and_evaluate(config, workdir, stop_signal)
+  finally:
+    for sig, handler in previous_handlers.items():
+      signal.signal(sig, handler)
+
+
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                        stop_signal: list[int]) -> dict[str, Any]:
   mesh = make_mesh(config)
   validate_config(config, mesh)
   os.makedirs(workdir, exist_ok=True)
@@ -399,6 +434,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   shardings = state_shardings(abstract_state, mesh)
   state = jax.jit(init_state, out_shardings=shardings)(rng)
   num_params = count_params(state['params'])
+  logging.info('Config:\n%s', config)
   logging.info('Model: %s parameters; %s', f'{num_params:,}', model.config)
   logging.info('Mesh: %s over %d devices on %d hosts.', dict(mesh.shape), mesh.devices.size,
                jax.process_count())
@@ -414,7 +450,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     params, optimizer_item, meta = restored
     state.update(params=params, **optimizer_item,
                  step=jnp.asarray(meta['step'], jnp.int32),
-                 nonfinite_total=jnp.asarray(meta.get('nonfinite_total', 0), jnp.int32))
+                 nonfinite_total=jnp.asarray(meta.get('nonfinite_total', 0), jnp.int32),
+                 nonfinite_in_a_row=jnp.asarray(meta.get('nonfinite_in_a_row', 0), jnp.int32))
     data_state = meta['data_state']
     logging.info('Resumed from step %d.', meta['step'])
   start_step = int(state['step'])
@@ -435,16 +472,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   if start_step == 0:
     writer.write(0, {'num_params': num_params})
 
-  stop_signal = []
-  def request_stop(signum, frame):
-    del frame
-    logging.warning('Received signal %d: saving a checkpoint and stopping.', signum)
-    stop_signal.append(signum)
-  previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-
   def save(step):
     meta = {'step': step, 'data_state': train_iter.get_state(),
-            'nonfinite_total': int(state['nonfinite_total'])}
+            'nonfinite_total': int(state['nonfinite_total']),
+            'nonfinite_in_a_row': int(state['nonfinite_in_a_row'])}
     checkpoints.save(manager, step, state['params'],
                      {k: state[k] for k in ('opt_state', 'rng')}, meta)
 
@@ -452,6 +483,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   loop_start = time.time()  # Wall time of this process's loop, evaluation included.
   pending = []  # Per-step device metrics, fetched once per logging interval.
   interval_start, interval_steps = time.time(), 0
+  untimed = 0  # Leading entries of `pending` outside the timed interval (the compiling step).
   last_metrics: dict[str, Any] = {}
   step = start_step
   lr_schedule = learning_rate_schedule(config)
@@ -464,21 +496,29 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     step += 1
     interval_steps += 1
     pending.append(metrics)
+    is_log_step = step % config.log_every_steps == 0 or step == config.num_train_steps
+    if step == start_step + 1 and not is_log_step:
+      # The first step includes tracing and compilation: keep it out of tokens/s and the ETA.
+      jax.block_until_ready(metrics)
+      logging.info('First step (trace, compile, run): %.1f s.', time.time() - interval_start)
+      interval_start, interval_steps, untimed = time.time(), 0, len(pending)
 
-    if step % config.log_every_steps == 0 or step == config.num_train_steps:
+    if is_log_step:
       fetched = jax.device_get(pending)
       pending = []
       elapsed = time.time() - interval_start
       totals = {k: sum(float(m[k]) for m in fetched) for k in ('loss', 'nll', 'correct', 'tokens')}
       tokens = max(totals['tokens'], 1.0)
-      seconds_per_step = elapsed / max(interval_steps, 1)
+      timed_tokens = sum(float(m['tokens']) for m in fetched[untimed:])
+      untimed = 0
+      seconds_per_step = elapsed / interval_steps
       last_metrics = {
           'train_loss': totals['loss'] / tokens, 'train_nll': totals['nll'] / tokens,
           'train_perplexity': math.exp(min(totals['nll'] / tokens, 50.0)),
           'train_accuracy': totals['correct'] / tokens,
           'grad_norm': float(fetched[-1]['grad_norm']),
           'learning_rate': float(lr_schedule(step - 1)),
-          'target_tokens_per_second': totals['tokens'] / elapsed,
+          'target_tokens_per_second': timed_tokens / elapsed,
           'seconds_per_step': seconds_per_step,
           'nonfinite_skipped_total': int(state['nonfinite_total']),
           'wall_minutes': (time.time() - loop_start) / 60,
@@ -491,18 +531,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
                    f"{last_metrics['target_tokens_per_second']:,.0f}", seconds_per_step,
                    format_duration(eta))
       writer.write(step, last_metrics)
-      nonfinite_in_a_row = int(state['nonfinite_in_a_row'])
-      if nonfinite_in_a_row >= config.max_consecutive_nonfinite:
+      try:
+        check_nonfinite_streak(fetched, config.max_consecutive_nonfinite, step)
+      except FloatingPointError as error:
         manager.wait_until_finished()
         raise FloatingPointError(
-            f'{nonfinite_in_a_row} consecutive steps had a non-finite loss or gradient (up to step '
-            f'{step}); stopping. The newest checkpoint in {manager.directory} holds the last good '
-            'parameters: lower the learning rate (learning_rate_scale) or enable grad_clip_norm.')
+            f'{error} The newest checkpoint in {manager.directory} holds the last good '
+            'parameters (skipped steps change nothing): lower the learning rate '
+            '(learning_rate_scale) or enable grad_clip_norm.') from None
       interval_start, interval_steps = time.time(), 0
 
-    if step % config.eval_every_steps == 0 or step == config.num_train_steps:
-      eval_metrics = evaluate(eval_fn, state['params'], eval_batches, batch_sharding)
-      if step % config.bleu_every_steps == 0 or step == config.num_train_steps:
+    run_eval = step % config.eval_every_steps == 0 or step == config.num_train_steps
+    run_bleu = step % config.bleu_every_steps == 0 or step == config.num_train_steps
+    if run_eval or run_bleu:
+      eval_metrics = {}
+      if run_eval:
+        eval_metrics.update(evaluate(eval_fn, state['params'], eval_batches, batch_sharding))
+      if run_bleu:
         eval_metrics.update(bleu_on_validation(config, model, state['params'], tokenizer,
                                                val_sources, val_targets, mesh))
       logging.info('eval at step %d: %s', step,
@@ -520,8 +565,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   manager.wait_until_finished()
   writer.close()
   train_iter.close()
-  for sig, handler in previous_handlers.items():
-    signal.signal(sig, handler)
   if stop_signal:
     logging.warning('Stopped by signal at step %d; rerun the same command to resume.', step)
   return {'state': state, 'metrics': last_metrics, 'step': step, 'stopped': bool(stop_signal)}
@@ -536,11 +579,28 @@ def bleu_on_validation(config, model, params, tokenizer, sources, references, me
   return {f'eval_{k}': v for k, v in scores.items() if not k.endswith('signature')}
 
 
+def exit_on_unknown_config_key(error: Exception):
+  key = str(error).strip('"\'')
+  sys.exit(f'error: --config.{key}: the config has no key {key!r} (the config file lists them).')
+
+
 def define_flags():
   """Command-line flags (defined only when run as a script, so other code can import us)."""
-  config_flags.DEFINE_config_file('config', 'configs/multi30k.py', 'Training config file.')
+  try:
+    # Applies --config.KEY overrides to the default config file already, as well as at parsing.
+    config_flags.DEFINE_config_file('config', 'configs/multi30k.py', 'Training config file.')
+  except (AttributeError, KeyError) as error:
+    exit_on_unknown_config_key(error)
   flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, logs, tokenizer).')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's parsing (a one-line error for a bad value), and one line for an unknown key too."""
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError) as error:  # ml_collections' error for a missing key.
+    exit_on_unknown_config_key(error)
 
 
 def main(argv):
@@ -550,6 +610,8 @@ def main(argv):
     raise app.UsageError('--workdir is required.')
   if FLAGS.distributed:
     jax.distributed.initialize()
+  if jax.process_index() != 0:  # One host speaks for the run; the others only warn.
+    logging.set_verbosity(logging.WARNING)
   try:
     train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (ConfigError, input_pipeline.DataError, FileNotFoundError, FloatingPointError) as error:
@@ -559,4 +621,4 @@ def main(argv):
 
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -194,6 +194,29 @@ def test_nonfinite_update_is_skipped_and_counted():
                                 np.delete(before['embed']['embedding'], 5, 0))
 
 
+def test_nonfinite_streak_check_sees_streaks_that_ended_between_checks():
+  counters = lambda *values: [{'nonfinite_in_a_row': np.int32(v)} for v in values]
+  train.check_nonfinite_streak(counters(0, 1, 2, 0, 1), limit=3, step=5)  # Below the limit.
+  with pytest.raises(FloatingPointError, match='3 consecutive steps'):
+    train.check_nonfinite_streak(counters(0, 1, 2, 3, 0, 0), limit=3, step=6)  # Over by now.
+  with pytest.raises(FloatingPointError, match='4 consecutive'):
+    train.check_nonfinite_streak(counters(4), limit=3, step=9)  # Carried over from before.
+
+
+def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  result = subprocess.run(
+      [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
+       '--config.no_such_key=1'], cwd=repo, capture_output=True, text=True, timeout=300,
+      env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
+  assert result.returncode != 0
+  assert 'no_such_key' in result.stderr and 'Traceback' not in result.stderr, result.stderr
+  assert not os.listdir(tmp_path)  # Nothing started.
+
+
 def test_bad_config_errors_before_compiling():
   with pytest.raises(train.ConfigError, match='divide over'):
     train.validate_config(small_config(batch_size=12), train.make_mesh(small_config()))
@@ -241,12 +264,21 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
   config.num_train_steps = 100_000
   config.eval_every_steps = 100_000
   config.checkpoint_every_steps = 100_000
-  timer = threading.Timer(25.0, lambda: os.kill(os.getpid(), signal.SIGTERM))
-  timer.start()
+  metrics_file = tmp_path / 'metrics.jsonl'
+  done = threading.Event()
+
+  def terminate_once_training():  # Not a fixed delay: a slow machine may still be compiling.
+    while not done.wait(0.2):
+      if metrics_file.exists() and 'train_loss' in metrics_file.read_text(encoding='utf-8'):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+
+  thread = threading.Thread(target=terminate_once_training, daemon=True)
+  thread.start()
   try:
     result = train.train_and_evaluate(config, str(tmp_path))
   finally:
-    timer.cancel()
+    done.set()
   assert result['stopped'] and 0 < result['step'] < 100_000
   manager = checkpoints.make_manager(str(tmp_path), read_only=True)
   assert manager.latest_step() == result['step']
@@ -274,6 +306,51 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog)
   assert result['step'] == 10
   assert (tmp_path / 'checkpoints' / '8.damaged').is_dir()
   assert not math.isnan(result['metrics']['train_loss'])
+
+
+@needs_multi30k
+def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_path):
+  # A learning rate of ~1e28 makes the first update blow the parameters up; every later step
+  # then has a non-finite loss and is skipped, until the streak reaches the limit.
+  config = small_config(learning_rate_scale=1e30, max_consecutive_nonfinite=3,
+                        bleu_every_steps=1000)
+  config.num_train_steps = 40
+  config.log_every_steps = 5
+  config.checkpoint_every_steps = 2
+  config.eval_every_steps = 1000
+  with pytest.raises(FloatingPointError, match='consecutive steps had a non-finite') as error:
+    train.train_and_evaluate(config, str(tmp_path))
+  assert 'checkpoint' in str(error.value) and 'learning_rate_scale' in str(error.value)
+  manager = checkpoints.make_manager(str(tmp_path), read_only=True)
+  assert manager.latest_step() == 4  # Stopped at the first check (step 5), not at step 40.
+  params, _ = checkpoints.load_params(str(tmp_path))
+  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
+  meta = manager.restore(4, args=checkpoints.ocp.args.Composite(
+      meta=checkpoints.ocp.args.JsonRestore()))['meta']
+  assert meta['nonfinite_in_a_row'] == 3 and meta['nonfinite_total'] == 3
+
+
+@needs_multi30k
+def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog):
+  import json
+
+  config = small_config(bleu_every_steps=4, num_eval_bleu_sentences=8)
+  config.num_train_steps = 8
+  config.log_every_steps = 2
+  config.eval_every_steps = 6
+  config.checkpoint_every_steps = 1000
+  with caplog.at_level('INFO'):
+    train.train_and_evaluate(config, str(tmp_path))
+  records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl', encoding='utf-8')]
+  steps_with = lambda key: [r['step'] for r in records if key in r]
+  assert steps_with('train_loss') == [2, 4, 6, 8]
+  assert steps_with('eval_nll') == [6, 8]
+  assert steps_with('eval_bleu') == [4, 8] and steps_with('eval_chrf') == [4, 8]
+  assert steps_with('num_params') == [0]
+  assert all(r['target_tokens_per_second'] > 0 for r in records if 'train_loss' in r)
+  assert any(name.startswith('events.out.tfevents')
+             for name in os.listdir(tmp_path / 'tensorboard'))
+  assert 'First step (trace, compile, run)' in caplog.text and 'ETA' in caplog.text
 
 
 @needs_multi30k
