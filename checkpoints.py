@@ -23,6 +23,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
@@ -82,6 +83,8 @@ def _set_aside(manager: ocp.CheckpointManager, step: int, reason: str) -> None:
     if os.path.exists(aside):
       shutil.rmtree(aside)
     os.rename(path, aside)
+  if jax.process_count() > 1:  # Every host rescans only after process 0 has renamed it.
+    multihost_utils.sync_global_devices(f'checkpoint {step} set aside')
   manager.reload()
 
 

@@ -122,10 +122,17 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """Adam (beta 0.9/0.98, eps 1e-9), optional global-norm clipping and decoupled weight decay."""
+  """Adam (beta 0.9/0.98, eps 1e-9), optional global-norm clipping and decoupled weight decay.
+
+  Clipping applies to the raw gradients, before Adam. Weight decay (AdamW's, off by default as
+  in the paper) applies to matrices (kernels, embeddings), not to biases or LayerNorm scales.
+  """
   schedule = learning_rate_schedule(config)
+  # No mask when there is no decay: the optimizer state keeps the layout earlier runs saved.
+  matrices_only = ((lambda params: jax.tree_util.tree_map(lambda p: p.ndim >= 2, params))
+                   if config.weight_decay > 0 else None)
   adam = optax.adamw(schedule, b1=config.adam_b1, b2=config.adam_b2, eps=config.adam_eps,
-                     weight_decay=config.weight_decay)
+                     weight_decay=config.weight_decay, mask=matrices_only)
   if config.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(config.grad_clip_norm), adam)
   return adam

@@ -62,6 +62,61 @@ def test_schedule_matches_the_paper_formula():
       2 * 512**-0.5 * 100 * 4000**-1.5, rel=1e-5)
 
 
+def test_optimizer_clips_before_adam_and_decays_only_matrices():
+  config = small_config(d_model=64, warmup_steps=10, learning_rate_scale=1.0,
+                        grad_clip_norm=1.0, weight_decay=0.0)
+  rng = np.random.default_rng(0)
+  params = {'dense': {'kernel': rng.normal(size=(4, 3)), 'bias': rng.normal(size=3)},
+            'norm': {'scale': rng.normal(size=3)}}
+  params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
+  # A huge first gradient, then a small one: clipping changes Adam's moments (their ratio).
+  gradients = [jax.tree_util.tree_map(lambda x, s=s: s * jnp.asarray(
+      rng.normal(size=x.shape), jnp.float32), params) for s in (300.0, 0.01)]
+  optimizer = train.make_optimizer(config)
+  opt_state = optimizer.init(params)
+  schedule = train.learning_rate_schedule(config)
+  m = v = jax.tree_util.tree_map(np.zeros_like, params)
+  for t, grads in enumerate(gradients, start=1):
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    # Adam by hand on the clipped gradient.
+    norm = np.sqrt(sum(float(np.sum(np.square(g))) for g in jax.tree_util.tree_leaves(grads)))
+    clipped = jax.tree_util.tree_map(lambda g, n=norm: np.asarray(g) * min(1.0, 1.0 / n), grads)
+    m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, m, clipped)
+    v = jax.tree_util.tree_map(lambda v, g: 0.98 * v + 0.02 * g * g, v, clipped)
+    expected = jax.tree_util.tree_map(
+        lambda m, v, t=t: -float(schedule(t - 1)) * (m / (1 - 0.9**t))
+        / (np.sqrt(v / (1 - 0.98**t)) + 1e-9), m, v)
+    _assert_trees_close(updates, expected, atol=1e-6)
+  # Weight decay: with zero gradients Adam's step is zero, leaving -lr * decay * param on
+  # matrices and nothing on biases and LayerNorm scales.
+  config = small_config(d_model=64, warmup_steps=10, learning_rate_scale=1.0, weight_decay=0.1)
+  optimizer = train.make_optimizer(config)
+  zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
+  updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+  lr = float(train.learning_rate_schedule(config)(0))
+  np.testing.assert_allclose(updates['dense']['kernel'], -lr * 0.1 * params['dense']['kernel'],
+                             rtol=1e-5)
+  np.testing.assert_array_equal(updates['dense']['bias'], 0.0)
+  np.testing.assert_array_equal(updates['norm']['scale'], 0.0)
+
+
+def test_bfloat16_step_keeps_float32_state_and_matches_float32():
+  batch = random_batch(np.random.default_rng(5), 16, 24, 40)
+  results = {}
+  for dtype in ('float32', 'bfloat16'):
+    config = small_config(dtype=dtype)
+    state, step_fn, batch_sharding = _setup(config, jax.devices()[:1])
+    state, metrics = step_fn(state, train.global_batch(batch, batch_sharding))
+    results[dtype] = (jax.device_get(state), float(metrics['loss']) / float(metrics['tokens']))
+  state16, loss16 = results['bfloat16']
+  for leaf in jax.tree_util.tree_leaves((state16['params'], state16['opt_state'])):
+    if jnp.issubdtype(leaf.dtype, jnp.floating):
+      assert leaf.dtype == jnp.float32
+  # bfloat16 keeps 8 bits of mantissa: the loss agrees to about 1%.
+  assert loss16 == pytest.approx(results['float32'][1], rel=2e-2)
+  assert int(state16['nonfinite_total']) == 0
+
+
 def test_label_smoothed_loss_matches_explicit_smoothed_targets():
   rng = np.random.default_rng(0)
   vocab, smoothing = 11, 0.1
@@ -245,6 +300,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   config.eval_every_steps = 1000
   straight = tmp_path / 'straight'
   train.train_and_evaluate(config, str(straight))
+  # Checkpoints at 4, 8, 12, 16; the config keeps the newest 3.
+  assert checkpoints.make_manager(str(straight), read_only=True).all_steps() == [8, 12, 16]
 
   interrupted = tmp_path / 'interrupted'
   os.makedirs(interrupted)
@@ -259,7 +316,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 
 
 @needs_multi30k
-def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
+@pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
+def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, signum):
   config = small_config(bleu_every_steps=1000)
   config.num_train_steps = 100_000
   config.eval_every_steps = 100_000
@@ -270,7 +328,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path):
   def terminate_once_training():  # Not a fixed delay: a slow machine may still be compiling.
     while not done.wait(0.2):
       if metrics_file.exists() and 'train_loss' in metrics_file.read_text(encoding='utf-8'):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         return
 
   thread = threading.Thread(target=terminate_once_training, daemon=True)
