@@ -1,5 +1,10 @@
 """A tiny model for tests and smoke runs: trains in seconds on CPU and reaches nothing useful.
 
+20 steps of a 34k-parameter model, two evaluations and one BLEU on 16 sentences: 28 s for the
+whole command on 2 CPU cores (AMD EPYC, 2026-11-22), tokenizer training and compilation
+included; BLEU 0, chrF 0.25. It shows that every piece runs, not that the model learns
+(`tests/test_end_to_end.py` checks that).
+
   MULTI30K_DIR=../shared/data/multi30k python train.py --config configs/tiny.py --workdir /tmp/tiny
 """
 
