@@ -7,7 +7,8 @@ smoothing 0.1. Two budgets, measured on a 2-core CPU (Intel Xeon, no GPU, jax 0.
 2026-11-22, scored on test_2016_flickr with sacreBLEU (13a, cased), beam 4, alpha 0.6:
 
   configs/multi30k.py        1,000 steps, 9.4 min; average of the last 3 checkpoints:
-                             29.5 BLEU (29.7 lowercased), chrF 52.6.
+                             29.5 BLEU (29.7 lowercased), chrF 52.6. On a 2-core AMD EPYC
+                             (the same evening): 13.0 min, 29.3 BLEU (29.6), chrF 51.8.
   configs/multi30k.py:full   3,250 steps, ~57 min in a run made before steps became nearly
                              twice as fast; average of the last 5 checkpoints:
                              39.5 BLEU (39.9 lowercased), chrF 63.1.
@@ -26,7 +27,7 @@ import ml_collections
 
 
 def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
-  """budget: 'quick' (1,000 steps, about 10 min on 2 CPU cores) or 'full' (3,250 steps, <1 h)."""
+  """budget: 'quick' (1,000 steps, 10-13 min on 2 CPU cores) or 'full' (3,250 steps, ~1 h)."""
   if budget not in ('quick', 'full'):
     raise ValueError(f"budget must be 'quick' or 'full', got {budget!r}.")
   config = ml_collections.ConfigDict()

@@ -60,7 +60,7 @@ def test_small_model_learns_to_translate(tmp_path):
 
 @pytest.mark.slow
 def test_default_recipe_reaches_its_documented_score(tmp_path):
-  """The README's main job (about 10 minutes on 2 cores here): documented at 29.4-29.5 BLEU."""
+  """The README's main job (10-13 minutes on 2 cores here): documented at 29.3-29.5 BLEU."""
   scores, _ = train_translate_score(multi30k.get_config(), str(tmp_path), 1000)
   print('default recipe:', scores)
   assert scores['bleu'] > SLOW_BLEU_FLOOR, scores
@@ -69,5 +69,5 @@ def test_default_recipe_reaches_its_documented_score(tmp_path):
 # Measured 16.0 BLEU / 38.5 chrF for the small model (2026-11-22); an untrained one scores < 1.
 FAST_BLEU_FLOOR = 8.0
 FAST_CHRF_FLOOR = 25.0
-# The default recipe measured 29.4-29.5 (BENCHMARKS.md); the floor leaves room for noise.
+# The default recipe measured 29.3-29.5 (BENCHMARKS.md); the floor leaves room for noise.
 SLOW_BLEU_FLOOR = 25.0
