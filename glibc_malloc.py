@@ -1,21 +1,20 @@
-"""glibc malloc settings that keep XLA:CPU's per-step buffers mapped (Linux only).
+"""glibc malloc settings that keep XLA:CPU's per-step buffers mapped (Linux, CPU backend only).
 
 XLA:CPU allocates the temporary buffer of each compiled program call with malloc and frees it
-when the call ends (555 MB for the training step of the benchmark shape). glibc serves blocks
-that large with a fresh `mmap` and returns them with `munmap`, so every step faults half a
-gigabyte of zeroed pages back in: 200 ms of kernel time in a 740 ms step, measured with
-`perf stat` and `strace` (BENCHMARKS.md). With one malloc arena, no mmap-served blocks, no
-trimming and transparent huge pages on the heap, the memory stays mapped between steps and the
-kernel time falls to about 1 ms.
+when the call ends; glibc serves blocks that large with a fresh `mmap` and returns them with
+`munmap`, so every training step faults its temporary memory back in. One malloc arena, no
+mmap-served blocks, no trimming and transparent huge pages keep that memory mapped between steps
+(BENCHMARKS.md, "Training step"). The cost: the process keeps its peak heap.
 
 glibc reads these settings (`GLIBC_TUNABLES`) only when a process starts, so train.py and the
 training benchmark call `reexec_with_malloc_settings()` first, which restarts the interpreter
-once with them added. The cost: the process keeps its peak heap instead of returning it to the
-system. Set TRANSFORMER_KEEP_MALLOC=1 to run with the environment's own malloc settings.
+once with them added. GPU and TPU runs never restart: their step buffers live on the device.
+TRANSFORMER_KEEP_MALLOC=1 keeps the environment's own settings on CPU too.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import sys
@@ -27,6 +26,23 @@ TUNABLES = (
     'glibc.malloc.hugetlb=1',  # 2 MB pages where the kernel allows them (THP "madvise").
 )
 OPT_OUT = 'TRANSFORMER_KEEP_MALLOC'
+# Packages whose presence makes JAX pick an accelerator when JAX_PLATFORMS is unset.
+ACCELERATOR_PACKAGES = ('libtpu', 'jax_cuda12_plugin', 'jax_cuda13_plugin', 'jax_rocm60_plugin',
+                        'jax_rocm7_plugin')
+
+
+def cpu_backend_expected(environ: dict[str, str]) -> bool:
+  """Whether JAX will run on the CPU, judged before importing it (JAX_PLATFORMS, plugins)."""
+  platforms = environ.get('JAX_PLATFORMS', '').strip()
+  if platforms:
+    return platforms.split(',')[0].strip().lower() == 'cpu'
+  for name in ACCELERATOR_PACKAGES:
+    try:
+      if importlib.util.find_spec(name) is not None:
+        return False
+    except (ImportError, ValueError):
+      continue
+  return True
 
 
 def missing_tunables(environ: dict[str, str]) -> list[str]:
@@ -38,13 +54,13 @@ def missing_tunables(environ: dict[str, str]) -> list[str]:
 def reexec_with_malloc_settings() -> None:
   """Restarts this Python process with TUNABLES added to GLIBC_TUNABLES, unless not needed.
 
-  Does nothing off Linux/glibc, when TRANSFORMER_KEEP_MALLOC is set, or when every tunable is
-  already set. Call it before anything else in a program's `__main__`: what ran before is run
-  again after the restart.
+  Does nothing off Linux/glibc, off the CPU backend, when TRANSFORMER_KEEP_MALLOC is set, or
+  when every tunable is already set. Call it before anything else in a program's `__main__`:
+  what ran before is run again after the restart.
   """
   if not sys.platform.startswith('linux') or platform.libc_ver()[0] != 'glibc':
     return
-  if os.environ.get(OPT_OUT):
+  if os.environ.get(OPT_OUT) or not cpu_backend_expected(os.environ):
     return
   missing = missing_tunables(os.environ)
   if not missing:

@@ -23,8 +23,9 @@ def test_missing_tunables_keeps_the_users_values():
 
 @pytest.mark.skipif(not sys.platform.startswith('linux') or platform.libc_ver()[0] != 'glibc',
                     reason='the restart only happens on Linux with glibc')
-@pytest.mark.parametrize('opt_out', [False, True])
-def test_restart_sets_the_tunables_once(tmp_path, opt_out):
+@pytest.mark.parametrize('opt_out, platforms', [(False, ''), (True, ''), (False, 'cpu'),
+                                               (False, 'cuda'), (False, 'tpu,cpu')])
+def test_restart_sets_the_tunables_once_and_only_on_cpu(tmp_path, opt_out, platforms):
   script = tmp_path / 'prog.py'
   script.write_text(textwrap.dedent(f"""
       import os, sys
@@ -36,6 +37,9 @@ def test_restart_sets_the_tunables_once(tmp_path, opt_out):
       """))
   env = {k: v for k, v in os.environ.items() if k not in ('GLIBC_TUNABLES', glibc_malloc.OPT_OUT)}
   env['GLIBC_TUNABLES'] = 'glibc.malloc.arena_max=2'
+  env.pop('JAX_PLATFORMS', None)
+  if platforms:
+    env['JAX_PLATFORMS'] = platforms
   if opt_out:
     env[glibc_malloc.OPT_OUT] = '1'
   out = subprocess.run([sys.executable, str(script), 'a', '--b=c'], env=env, check=True,
@@ -43,7 +47,7 @@ def test_restart_sets_the_tunables_once(tmp_path, opt_out):
   final = out[-1].split()
   assert final[-2:] == ["['a',", "'--b=c']"]  # Arguments survive the restart.
   tunables = final[1].split(':')
-  if opt_out:
+  if opt_out or platforms.split(',')[0] in ('cuda', 'tpu'):  # GPU/TPU runs never restart.
     assert out.count('start') == 1 and tunables == ['glibc.malloc.arena_max=2']
   else:
     # Restarted exactly once; the user's arena_max kept, the other three added.
