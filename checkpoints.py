@@ -3,7 +3,9 @@
 A checkpoint holds three items: `params`, `optimizer` (optimizer state and training RNG) and
 `meta` (step, data-iterator position, skip counters) as JSON. Orbax writes each step to a
 temporary folder and renames it when complete, so a crash mid-write never leaves a checkpoint
-that restores garbage; a damaged checkpoint is skipped on restore with a warning.
+that restores garbage; a damaged checkpoint is skipped on restore with a warning. Every restore
+reads straight into the caller's device layout (target shardings), so a run trained on N devices
+decodes, averages and resumes on M.
 
 Averaging (the paper averaged the last 5 checkpoints of base models, 20 of big ones):
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from typing import Any
 
 import jax
@@ -24,6 +27,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
 from jax.experimental import multihost_utils
+
+import console
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
@@ -46,11 +51,12 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state
       params=ocp.args.StandardSave(params),
       optimizer=ocp.args.StandardSave(optimizer_state),
       meta=ocp.args.JsonSave(meta)), force=True)
+  logging.info('Saving checkpoint at step %d.', step)
 
 
 def restore_latest(manager: ocp.CheckpointManager, abstract_params: Any,
                    abstract_optimizer_state: Any) -> tuple[Any, Any, dict[str, Any]] | None:
-  """Restores the newest readable checkpoint into the given shardings/shapes.
+  """Restores the newest readable checkpoint into the given shapes and shardings.
 
   Returns (params, optimizer_state, meta), or None when there is no checkpoint. A checkpoint
   that fails to restore is reported and the next older one is tried.
@@ -88,13 +94,34 @@ def _set_aside(manager: ocp.CheckpointManager, step: int, reason: str) -> None:
   manager.reload()
 
 
-def _restore_params(manager: ocp.CheckpointManager, step: int) -> Any:
-  restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore()))
-  return jax.tree_util.tree_map(np.asarray, restored['params'])
+def _restore_tree(path: str, sharding: jax.sharding.Sharding) -> Any:
+  """The arrays saved at `path` (a StandardSave item), each whole on `sharding`'s devices.
+
+  The targets come from the saved metadata (shapes, dtypes) with the caller's sharding, so the
+  devices the arrays were saved from do not matter.
+  """
+  checkpointer = ocp.StandardCheckpointer()
+  tree = checkpointer.metadata(path).item_metadata
+  tree = getattr(tree, 'tree', tree)
+  targets = jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding), tree)
+  return checkpointer.restore(path, targets)
+
+
+def _local_sharding() -> jax.sharding.Sharding:
+  """Every array whole on this process's first device (averaging works on host copies)."""
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def restore_params(manager: ocp.CheckpointManager, step: int,
+                   sharding: jax.sharding.Sharding | None = None) -> Any:
+  """The params of checkpoint `step`, laid out as `sharding` (default: one local device)."""
+  path = os.path.join(str(manager.directory), str(step), 'params')
+  return _restore_tree(path, sharding or _local_sharding())
 
 
 def average_last(workdir: str, num_checkpoints: int) -> tuple[Any, list[int]]:
-  """Element-wise mean (float32) of the params of the newest `num_checkpoints` checkpoints."""
+  """Element-wise mean (float32, host numpy) of the params of the newest checkpoints."""
   manager = make_manager(workdir, read_only=True)
   steps = sorted(manager.all_steps())[-num_checkpoints:]
   if not steps:
@@ -104,8 +131,8 @@ def average_last(workdir: str, num_checkpoints: int) -> tuple[Any, list[int]]:
                     num_checkpoints, len(steps), steps)
   total = None
   for step in steps:
-    params = _restore_params(manager, step)
-    params = jax.tree_util.tree_map(lambda x: x.astype(np.float64), params)
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64),
+                                    restore_params(manager, step))
     total = params if total is None else jax.tree_util.tree_map(np.add, total, params)
   averaged = jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)
   return averaged, steps
@@ -122,25 +149,26 @@ def save_averaged(workdir: str, num_checkpoints: int) -> list[int]:
   return steps
 
 
-def load_params(workdir: str, checkpoint: str | int | None = None,
-                average: int = 0) -> tuple[Any, str]:
-  """Parameters for decoding, and a description of where they came from.
+def load_params(workdir: str, checkpoint: str | int | None = None, average: int = 0,
+                sharding: jax.sharding.Sharding | None = None) -> tuple[Any, str]:
+  """Parameters for decoding, laid out as `sharding`, and where they came from.
 
   Args:
     workdir: the training run's workdir.
     checkpoint: None = newest, a step number, or 'averaged' (WORKDIR/averaged/).
     average: if > 0, the mean of the newest `average` checkpoints instead.
+    sharding: the target layout (default: one local device).
   """
+  sharding = sharding or _local_sharding()
   if average > 0:
     params, steps = average_last(workdir, average)
-    return params, f'average of steps {steps}'
+    return jax.device_put(params, sharding), f'average of steps {steps}'
   if checkpoint == 'averaged':
     path = os.path.abspath(os.path.join(workdir, AVERAGED_DIR))
     if not os.path.isdir(path):
       raise FileNotFoundError(f'No averaged checkpoint at {path}: run `python checkpoints.py '
                               f'--workdir {workdir} --average_last N` first.')
-    params = ocp.StandardCheckpointer().restore(path)
-    return jax.tree_util.tree_map(np.asarray, params), f'averaged checkpoint {path}'
+    return _restore_tree(path, sharding), f'averaged checkpoint {path}'
   checkpoint_dir = os.path.join(workdir, CHECKPOINT_DIR)
   if not os.path.isdir(checkpoint_dir):
     raise FileNotFoundError(f'No checkpoints in {checkpoint_dir}: is {workdir} a training '
@@ -149,19 +177,30 @@ def load_params(workdir: str, checkpoint: str | int | None = None,
   steps = sorted(manager.all_steps())
   if not steps:
     raise FileNotFoundError(f'No checkpoints in {checkpoint_dir}: train first.')
+  if checkpoint is not None and not str(checkpoint).isdigit():
+    raise ValueError(f"--checkpoint must be a step number or 'averaged', got {checkpoint!r}.")
   step = steps[-1] if checkpoint is None else int(checkpoint)
   if step not in steps:
     raise FileNotFoundError(f'No checkpoint at step {step} in {checkpoint_dir}; have {steps}.')
-  return _restore_params(manager, step), f'step {step}'
+  return restore_params(manager, step, sharding), f'step {step}'
 
 
 def main(argv):
-  del argv
+  if len(argv) > 1:
+    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+  console.quiet_libraries()
   count = FLAGS.average_last
-  if count is None:  # The run's own choice, from its config.
-    with open(os.path.join(FLAGS.workdir, 'config.json'), encoding='utf-8') as f:
-      count = json.load(f)['average_last_checkpoints']
-  save_averaged(FLAGS.workdir, count)
+  try:
+    if count is None:  # The run's own choice, from its config.
+      with open(os.path.join(FLAGS.workdir, 'config.json'), encoding='utf-8') as f:
+        saved = json.load(f)
+      count = saved.get('average_last_checkpoints')
+      if count is None:
+        raise ValueError(f'{FLAGS.workdir}/config.json has no average_last_checkpoints; '
+                         'pass --average_last N.')
+    save_averaged(FLAGS.workdir, count)
+  except (FileNotFoundError, ValueError) as error:
+    sys.exit(f'error: {error}')
 
 
 if __name__ == '__main__':

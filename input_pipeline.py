@@ -1,6 +1,6 @@
 """Input pipeline: TFDS sources, joint sentencepiece BPE, packed training batches.
 
-Sources (`config.dataset_name`), all read through TFDS / tf.data:
+Sources (`config.data.dataset_name`), all read through TFDS / tf.data:
   * any TFDS translation dataset, e.g. 'wmt14_translate/de-en';
   * 'multi30k': the project's own builder below (Multi30k task 1, en/de/fr);
   * 'folder:/path': aligned plain-text files `{split}.{lang}` (e.g. train.en, train.de).
@@ -20,6 +20,7 @@ import io
 import os
 import shutil
 import socket
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,9 +29,8 @@ import sentencepiece as spm
 import tensorflow_datasets as tfds
 from absl import logging
 
-PAD_ID = 0
-EOS_ID = 1
-UNK_ID = 2
+from model import EOS_ID, PAD_ID, UNK_ID
+
 MULTI30K_ENV = 'MULTI30K_DIR'
 FEATURE_KEYS = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
                 'inputs_positions', 'targets_positions')
@@ -48,12 +48,15 @@ class MissingDataError(DataError, FileNotFoundError):
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:
-  """Lines of a UTF-8 text file without line endings; errors name the file and line."""
+  """Lines of a UTF-8 text file ('-': stdin) without line endings; errors name file and line."""
   path = os.fspath(path)
-  if not os.path.isfile(path):
+  if path == '-':
+    path, data = 'stdin', sys.stdin.buffer.read()
+  elif not os.path.isfile(path):
     raise MissingDataError(f'{path}: file not found.')
-  with open(path, 'rb') as f:
-    data = f.read()
+  else:
+    with open(path, 'rb') as f:
+      data = f.read()
   try:
     text = data.decode('utf-8')
   except UnicodeDecodeError as e:
@@ -109,7 +112,7 @@ class ParallelTextFolder(tfds.core.GeneratorBasedBuilder, skip_registration=True
     self._folder = os.path.abspath(folder)
     self._langs = tuple(languages)
     if not os.path.isdir(self._folder):
-      raise MissingDataError(f'{folder}: dataset folder not found (config.dataset_name '
+      raise MissingDataError(f'{folder}: dataset folder not found (config.data.dataset_name '
                              "'folder:<dir>' must name a folder with train.en, train.de, ...).")
     h = hashlib.sha256(f'{self._folder}|{self._langs}'.encode())
     for split in self.splits():
@@ -206,7 +209,7 @@ class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
         raise DataError(
             f'Could not download Multi30k ({e}). Offline: put the unzipped files '
             f'{", ".join(self.SHA256)} in a folder and set ${MULTI30K_ENV} or '
-            'config.manual_dir to it.') from e
+            'config.data.manual_dir to it.') from e
       folder = os.path.join(dl_manager.download_dir, 'multi30k_task1_unzipped')
       os.makedirs(folder, exist_ok=True)
       for name, digest in self.SHA256.items():
@@ -224,6 +227,8 @@ class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
 
 def _builder(config) -> tfds.core.DatasetBuilder:
+  """The TFDS builder of config.data.dataset_name."""
+  config = config.data
   data_dir = config.data_dir or None
   name = config.dataset_name
   langs = (config.source_lang, config.target_lang)
@@ -235,7 +240,7 @@ def _builder(config) -> tfds.core.DatasetBuilder:
   try:
     return tfds.builder(name, data_dir=data_dir)
   except tfds.core.registered.DatasetNotFoundError as e:
-    raise DataError(f'Unknown dataset {name!r} (config.dataset_name): not a TFDS name. Use a '
+    raise DataError(f'Unknown dataset {name!r} (config.data.dataset_name): not a TFDS name. Use a '
                     "TFDS translation dataset (e.g. 'wmt14_translate/de-en'), 'multi30k' or "
                     "'folder:/path/to/dir'.") from e
 
@@ -243,18 +248,19 @@ def _builder(config) -> tfds.core.DatasetBuilder:
 def read_split(config, split: str) -> tuple[list[str], list[str]]:
   """All (source, target) texts of a split, in dataset order, whitespace-stripped.
 
-  Pairs with an empty side are dropped (and counted) for `config.train_split` only;
+  Pairs with an empty side are dropped (and counted) for `config.data.train_split` only;
   evaluation splits keep them so that outputs stay aligned with reference files.
   """
-  src_lang, tgt_lang = config.source_lang, config.target_lang
   builder = _builder(config)
+  config = config.data
+  src_lang, tgt_lang = config.source_lang, config.target_lang
   if isinstance(builder, ParallelTextFolder) and split not in builder.splits():
     read_parallel_files(builder._folder, split, (src_lang, tgt_lang))  # Raises naming files.
   langs = list(builder.info.features.keys())  # Known before (a long) prepare.
   for lang in (src_lang, tgt_lang):
     if lang not in langs:
       raise DataError(f'Language {lang!r} not in {config.dataset_name!r} (has {langs}); '
-                      'check config.source_lang / config.target_lang.')
+                      'check config.data.source_lang / config.data.target_lang.')
   builder.download_and_prepare()
   if split not in builder.info.splits:
     raise MissingDataError(f'Split {split!r} not in {config.dataset_name!r}; available: '
@@ -316,18 +322,25 @@ def load_tokenizer(path: str) -> Tokenizer:
 def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
   """Loads workdir/tokenizer.model, or trains it on a seeded sample of the train split.
 
-  Deterministic: the sample (at most config.spm_sample_size sentences of both sides) is
-  fed in corpus order and trained single-threaded, so same data + seed = same bytes.
+  Its vocabulary is config.model.vocab_size. Deterministic: the sample (at most
+  config.data.spm_sample_size sentences of both sides) is fed in corpus order and trained
+  single-threaded, so same data + seed = same bytes.
   """
   path = os.path.join(workdir, 'tokenizer.model')
+  vocab_size = config.model.vocab_size
   if os.path.isfile(path):
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size != vocab_size:
+      raise DataError(f'{path} has {tokenizer.vocab_size} pieces but config.model.vocab_size is '
+                      f'{vocab_size}: use a new workdir, or set the vocabulary size to match.')
     logging.info('Using existing tokenizer %s.', path)
-    return load_tokenizer(path)
-  src, tgt = read_split(config, config.train_split)
+    return tokenizer
+  src, tgt = read_split(config, config.data.train_split)
   texts = src + tgt
-  if len(texts) > config.spm_sample_size:
+  sample_size = config.data.spm_sample_size
+  if len(texts) > sample_size:
     rng = np.random.default_rng(config.seed)
-    keep = np.sort(rng.choice(len(texts), config.spm_sample_size, replace=False))
+    keep = np.sort(rng.choice(len(texts), sample_size, replace=False))
     texts = [texts[i] for i in keep]
   os.makedirs(workdir, exist_ok=True)
   model = io.BytesIO()
@@ -335,7 +348,7 @@ def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
   # model's trainer spec, so the bytes depend only on the data, seed and settings.
   spm.SentencePieceTrainer.train(
       sentence_iterator=iter(texts), model_writer=model, model_type='bpe',
-      vocab_size=config.vocab_size, character_coverage=1.0, byte_fallback=True,
+      vocab_size=vocab_size, character_coverage=1.0, byte_fallback=True,
       pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
       # Identity normalisation keeps decode(encode(s)) == s (NFKC would rewrite text).
       normalization_rule_name='identity', remove_extra_whitespaces=False,
@@ -344,7 +357,7 @@ def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
   with open(tmp, 'wb') as f:
     f.write(model.getvalue())
   os.replace(tmp, path)  # Atomic: a concurrent reader never sees half a file.
-  logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', config.vocab_size,
+  logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', vocab_size,
                len(texts), path)
   return load_tokenizer(path)
 
@@ -412,6 +425,14 @@ def build_packed_arrays(src_ids: Sequence[np.ndarray], tgt_ids: Sequence[np.ndar
   return out
 
 
+def rows_per_host(batch_size: int, process_count: int) -> int:
+  """Each host's share of a global batch of `batch_size` rows; they must divide evenly."""
+  if batch_size % process_count:
+    raise DataError(f'batch_size={batch_size} rows do not divide over {process_count} hosts; '
+                    f'use a multiple of {process_count}.')
+  return batch_size // process_count
+
+
 class TrainIterator:
   """Endless, resumable stream of packed batches for one process.
 
@@ -426,9 +447,7 @@ class TrainIterator:
                batch_size: int, max_length: int, seed: int, window: int,
                process_index: int = 0, process_count: int = 1, epoch: int = 0,
                batch_in_epoch: int = 0):
-    if batch_size % process_count:
-      raise DataError(f'batch_size {batch_size} not divisible by process_count '
-                      f'{process_count}.')
+    self._local = rows_per_host(batch_size, process_count)
     if not 0 <= process_index < process_count:
       raise DataError(f'process_index {process_index} not in [0, {process_count}).')
     if not src_ids:
@@ -438,7 +457,6 @@ class TrainIterator:
     self._tgt_lens = np.array([len(x) for x in tgt_ids], np.int64)
     self._batch_size, self._max_length = batch_size, max_length
     self._seed, self._window = seed, window
-    self._local = batch_size // process_count
     self._offset = process_index * self._local
     self._pool = concurrent.futures.ThreadPoolExecutor(1)  # Packs the next epoch meanwhile.
     self._epoch, self._batch = epoch, batch_in_epoch
@@ -496,22 +514,20 @@ def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
                         process_count: int = 1, state: dict | None = None) -> TrainIterator:
   """Tokenizes the train split once, drops pairs longer than max_length, packs batches.
 
-  `config.shuffle_buffer` is the packing window in pairs (pairs are permuted globally
+  `config.data.shuffle_buffer` is the packing window in pairs (pairs are permuted globally
   first, so the shuffle itself is uniform whatever the window).
   """
-  if config.batch_size % process_count:
-    raise DataError(f'config.batch_size {config.batch_size} not divisible by process_count '
-                    f'{process_count}.')
-  src, tgt = read_split(config, config.train_split)
+  data = config.data
+  src, tgt = read_split(config, data.train_split)
   src_ids, tgt_ids = tokenizer.encode(src), tokenizer.encode(tgt)
   keep = [i for i in range(len(src_ids))
-          if len(src_ids[i]) <= config.max_length and len(tgt_ids[i]) <= config.max_length]
+          if len(src_ids[i]) <= data.max_length and len(tgt_ids[i]) <= data.max_length]
   logging.info('Dropped %d of %d training pairs longer than max_length=%d tokens (incl. EOS).',
-               len(src_ids) - len(keep), len(src_ids), config.max_length)
+               len(src_ids) - len(keep), len(src_ids), data.max_length)
   state = state or {}
   return TrainIterator(
-      [src_ids[i] for i in keep], [tgt_ids[i] for i in keep], batch_size=config.batch_size,
-      max_length=config.max_length, seed=config.seed, window=config.shuffle_buffer,
+      [src_ids[i] for i in keep], [tgt_ids[i] for i in keep], batch_size=data.batch_size,
+      max_length=data.max_length, seed=config.seed, window=data.shuffle_buffer,
       process_index=process_index, process_count=process_count,
       epoch=int(state.get('epoch', 0)), batch_in_epoch=int(state.get('batch_in_epoch', 0)))
 
@@ -519,43 +535,58 @@ def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
 # ----------------------------------------------------------------------------- evaluation
 
 
-def make_eval_batches(token_ids: list[np.ndarray], max_batch_tokens: int,
-                      max_length: int | None = None,
-                      length_multiple: int = 8) -> list[tuple[np.ndarray, np.ndarray]]:
-  """Length-sorted batches with rows * padded_length <= max_batch_tokens.
+def length_batches(sides: dict[str, Sequence[np.ndarray]], max_batch_tokens: int,
+                   max_length: int | None = None, row_multiple: int = 1,
+                   length_multiple: int = 8) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+  """Batches of whole sequences (or aligned pairs) sorted by length, for evaluation and decoding.
 
-  Padded lengths are rounded up to `length_multiple` (fewer distinct shapes to compile).
-  Sequences longer than max_length are cut to max_length (ending in EOS) with a warning;
-  a single sequence longer than the budget gets a batch of its own (also warned).
+  A batch's rows are a power of two (at least `row_multiple`, rounded up to a multiple of it)
+  and its length L is the longest side of its members rounded up to `length_multiple`: few
+  distinct shapes to compile. rows * L <= max_batch_tokens, padding rows included, unless the
+  batch has the minimum number of rows. Sequences longer than max_length are cut to max_length
+  (ending in EOS) with a warning; a sequence longer than the budget gets a batch of its own.
 
+  Args:
+    sides: aligned lists of int id sequences, e.g. {'inputs': sources, 'targets': targets}.
   Returns:
-    (indices [n] int64 into token_ids, ids [n, L] int32 padded with PAD_ID) per batch;
-    each index appears exactly once over all batches.
+    Per batch: indices [n] int64 into the lists (each index once over all batches), and each
+    side's ids [rows, L] int32 padded with PAD_ID, rows >= n.
   """
-  seqs = list(token_ids)
+  sides = {k: list(v) for k, v in sides.items()}
   if max_length is not None:
-    long = [i for i, x in enumerate(seqs) if len(x) > max_length]
-    if long:
-      logging.warning('Truncating %d eval sequences longer than %d tokens (indices %s...).',
-                      len(long), max_length, long[:10])
+    for name, seqs in sides.items():
+      long = [i for i, x in enumerate(seqs) if len(x) > max_length]
+      if long:
+        logging.warning('Truncating %d %s sequences longer than %d tokens (indices %s...).',
+                        len(long), name, max_length, long[:10])
       for i in long:
         seqs[i] = np.append(np.asarray(seqs[i][:max_length - 1]), EOS_ID)
-  padded = [max(1, -(-len(x) // length_multiple) * length_multiple) for x in seqs]
+  count = len(next(iter(sides.values())))
+  longest = [max(len(seqs[i]) for seqs in sides.values()) for i in range(count)]
+  padded = [max(1, -(-n // length_multiple) * length_multiple) for n in longest]
   order = np.argsort(np.array(padded, np.int64), kind='stable')
+  def padded_rows(count: int) -> int:
+    rows = max(row_multiple, 1 << (count - 1).bit_length())
+    return -(-rows // row_multiple) * row_multiple
+
   groups: list[list[int]] = []
   for i in order.tolist():
     # Sorted ascending, so the newest member sets the padded length.
-    if groups and (len(groups[-1]) + 1) * padded[i] <= max_batch_tokens:
+    if groups and padded_rows(len(groups[-1]) + 1) * padded[i] <= max_batch_tokens:
       groups[-1].append(i)
     else:
       if padded[i] > max_batch_tokens:
-        logging.warning('Eval sequence %d (%d tokens) exceeds max_batch_tokens=%d; alone.',
-                        i, len(seqs[i]), max_batch_tokens)
+        logging.warning('Sequence %d (%d tokens) exceeds max_batch_tokens=%d; alone.',
+                        i, longest[i], max_batch_tokens)
       groups.append([i])
   batches = []
-  for g in groups:
-    ids = np.full((len(g), padded[g[-1]]), PAD_ID, np.int32)
-    for r, i in enumerate(g):
-      ids[r, :len(seqs[i])] = seqs[i]
-    batches.append((np.array(g, np.int64), ids))
+  for group in groups:
+    rows = padded_rows(len(group))
+    arrays = {}
+    for name, seqs in sides.items():
+      ids = np.full((rows, padded[group[-1]]), PAD_ID, np.int32)
+      for r, i in enumerate(group):
+        ids[r, :len(seqs[i])] = seqs[i]
+      arrays[name] = ids
+    batches.append((np.array(group, np.int64), arrays))
   return batches

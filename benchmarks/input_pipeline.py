@@ -22,13 +22,13 @@ import input_pipeline as ip
 from configs import multi30k
 
 
-def main() -> None:
+def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--workdir', default='', help='Keeps tokenizer.model and TFDS data.')
   parser.add_argument('--json', default='', help='Write the results here as JSON.')
   parser.add_argument('--batches', type=int, default=500)
   parser.add_argument('--warmup', type=int, default=20)
-  args = parser.parse_args()
+  args = parser.parse_args(argv)
 
   if not os.environ.get(ip.MULTI30K_ENV):
     local = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
@@ -36,7 +36,7 @@ def main() -> None:
       os.environ[ip.MULTI30K_ENV] = str(local)
   workdir = args.workdir or tempfile.mkdtemp(prefix='bench_input_')
   config = multi30k.get_config()
-  config.data_dir = config.data_dir or os.path.join(workdir, 'tfds')
+  config.data.data_dir = config.data.data_dir or os.path.join(workdir, 'tfds')
 
   t0 = time.perf_counter()
   tokenizer = ip.load_or_train_tokenizer(config, workdir)
@@ -61,7 +61,7 @@ def main() -> None:
   it.close()
 
   results = {
-      'batch_size': config.batch_size, 'max_length': config.max_length,
+      'batch_size': config.data.batch_size, 'max_length': config.data.max_length,
       'vocab_size': tokenizer.vocab_size, 'batches': args.batches,
       'tokenizer_seconds': round(t_tok, 3), 'setup_seconds': round(t_setup, 3),
       'pack_epoch_seconds': round(t_pack, 3), 'batches_per_epoch': it.num_batches,
@@ -78,6 +78,7 @@ def main() -> None:
   if args.json:
     with open(args.json, 'w') as f:
       json.dump(results, f, indent=2)
+  return results
 
 
 if __name__ == '__main__':

@@ -3,18 +3,19 @@
   python -m benchmarks.train_step [--json out.json] [--steps 10] [--repeats 3] \
       [--dtype float32|bfloat16] [--breakdown]
 
-Builds the step exactly as training does (configs/multi30k.py + overrides, `make_mesh`,
-`init_train_state`, `state_shardings`, `compile_train_step`, `global_batch`) on the comparison
-shape: vocabulary 8000, d_model 256, d_ff 1024, 4 heads, 3+3 layers, dropout 0.1, label
-smoothing 0.1, Adam; 64 random rows of 32 source and 32 target tokens, no packing.
+Builds the step exactly as training does (configs/multi30k.py + overrides,
+`sharding.make_mesh`, `init_train_state`, `sharding.state_shardings`, `compile_train_step`,
+`sharding.from_host_rows`) on the comparison shape: vocabulary 8000, d_model 256, d_ff 1024,
+4 heads, 3+3 layers, dropout 0.1, label smoothing 0.1, Adam; 64 random rows of 32 source and
+32 target tokens, no packing.
 
 Reports target tokens/s (median over repeats of `--steps` timed steps after warm-up), seconds
 per step, time to the first step (trace + compile + run), the step's FLOPs by XLA's cost
-analysis and by an analytic model count, achieved GFLOP/s, a float32 2048^3 matmul peak measured
-in the same run, MFU on both FLOP counts, and the speed normalised against the Flax WMT example
-(2,038 target tok/s at a 204 GFLOP/s peak on this machine type). `--breakdown` also times the
-step's parts (forward, forward+backward, output layer + loss, optimizer update) as separately
-jitted functions.
+analysis and by an analytic model count, achieved GFLOP/s, a float32 2048^3 matmul peak
+(benchmarks/matmul_peak.py) measured in the same run, MFU on both FLOP counts, and the speed
+normalised against the Flax WMT example (2,038 target tok/s at a 204 GFLOP/s peak on this
+machine type). `--breakdown` also times the step's parts (forward, forward+backward, output
+layer + loss, optimizer update) as separately jitted functions.
 """
 
 from __future__ import annotations
@@ -38,9 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+import sharding
 import train
+from benchmarks.matmul_peak import matmul_peak_gflops
 from configs import multi30k
-from model import EOS_ID, Transformer
+from model import EOS_ID, Transformer, TransformerConfig
 
 # The peer: the Flax WMT example's train step on the same shape and machine type.
 PEER_TOKENS_PER_S = 2038.0
@@ -48,6 +51,7 @@ PEER_GFLOP_PER_STEP = 97.0
 PEER_PEAK_GFLOPS = 204.0
 PEER_MFU = 0.47
 GOAL_MFU = 0.70
+DTYPES = ('bfloat16', 'float32')  # Compute dtypes (config.model.dtype); parameters stay float32.
 
 
 # ----------------------------------------------------------------------------- setup
@@ -59,7 +63,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--steps', type=int, default=10, help='Timed steps per repeat.')
   parser.add_argument('--warmup', type=int, default=2, help='Untimed steps after the first.')
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--dtype', default='float32', choices=sorted(train.DTYPES))
+  parser.add_argument('--dtype', default='float32', choices=DTYPES)
   parser.add_argument('--breakdown', action='store_true', help='Also time the step\'s parts.')
   # The comparison shape; smaller values are for smoke tests.
   parser.add_argument('--vocab', type=int, default=8000)
@@ -71,19 +75,21 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--length', type=int, default=32)
   parser.add_argument('--dropout', type=float, default=0.1, help='0 shows what dropout costs.')
   parser.add_argument('--peak-size', type=int, default=2048, help='Matmul size for the peak.')
-  parser.add_argument('--peak-runs', type=int, default=10)
+  parser.add_argument('--peak-runs', type=int, default=10, help='Timed matmuls; the best counts.')
   return parser.parse_args(argv)
 
 
 def make_config(args: argparse.Namespace):
   """configs/multi30k.py with the benchmark's shape."""
   config = multi30k.get_config()
-  config.update(
+  config.model.update(
       vocab_size=args.vocab, d_model=args.d_model, d_ff=args.d_ff, num_heads=args.heads,
       num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=args.dropout,
-      attention_dropout_rate=0.0, label_smoothing=0.1, batch_size=args.batch,
-      max_length=args.length, dtype=args.dtype, grad_accum_steps=1, weight_decay=0.0,
-      grad_clip_norm=0.0)
+      attention_dropout_rate=0.0, dtype=args.dtype)
+  config.model.max_len = max(config.model.max_len, args.length)
+  config.data.update(batch_size=args.batch, max_length=args.length)
+  config.optimizer.update(label_smoothing=0.1, grad_accum_steps=1, weight_decay=0.0,
+                          grad_clip_norm=0.0)
   return config
 
 
@@ -104,35 +110,23 @@ def random_batch(rows: int, length: int, vocab: int, seed: int = 0) -> dict[str,
 def build(args: argparse.Namespace) -> dict:
   """Everything train.py builds for its step: model, optimizer, sharded state and batch."""
   config = make_config(args)
-  mesh = train.make_mesh(config)
+  mesh = sharding.make_mesh(config.mesh_shape)
   train.validate_config(config, mesh)
-  model = Transformer(train.model_config(config, config.vocab_size))
+  model = Transformer(TransformerConfig(**config.model))
   optimizer = train.make_optimizer(config)
   init_state = functools.partial(train.init_train_state, model, optimizer)
   rng = jax.random.PRNGKey(config.seed)
-  shardings = train.state_shardings(jax.eval_shape(init_state, rng), mesh)
+  shardings = sharding.state_shardings(jax.eval_shape(init_state, rng), mesh)
   state = jax.jit(init_state, out_shardings=shardings)(rng)
   step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
-  batch = train.global_batch(random_batch(args.batch, args.length, args.vocab), batch_sharding)
+  # One process holds every row here, as the single host of a training run does.
+  batch = sharding.from_host_rows(random_batch(args.batch, args.length, args.vocab),
+                                  batch_sharding)
   return dict(config=config, mesh=mesh, model=model, optimizer=optimizer, state=state,
               step_fn=step_fn, batch=batch)
 
 
 # ----------------------------------------------------------------------------- measurements
-
-
-def matmul_peak_gflops(size: int = 2048, runs: int = 10) -> float:
-  """Best GFLOP/s of a jitted float32 size^3 matmul (best of `runs`: the machine is shared)."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  b = jax.random.normal(jax.random.key(1), (size, size), jnp.float32)
-  matmul = jax.jit(jnp.matmul)
-  jax.block_until_ready(matmul(a, b))
-  best = float('inf')
-  for _ in range(runs):
-    start = time.perf_counter()
-    jax.block_until_ready(matmul(a, b))
-    best = min(best, time.perf_counter() - start)
-  return 2 * size**3 / best / 1e9
 
 
 def time_steps(step_fn, state, batch, steps: int, warmup: int, repeats: int):
@@ -162,12 +156,13 @@ def xla_flops(jitted, *args) -> float:
   return float(analysis.get('flops', 0.0))
 
 
-def analytic_flops(params, config, batch: int, source_len: int, target_len: int) -> dict:
+def analytic_flops(params, model_config, batch: int, source_len: int, target_len: int) -> dict:
   """Model FLOPs of forward + backward (3x forward), matmuls only.
 
   6 * kernel parameters * tokens (encoder kernels see source tokens, decoder kernels target
   tokens), plus attention (QK^T and AV over every key, the causal half not skipped) and the
   output projection over the vocabulary. Embedding look-ups, norms and softmaxes are not counted.
+  `model_config`: config.model (or a TransformerConfig).
   """
   src_tokens, tgt_tokens = batch * source_len, batch * target_len
   encoder = decoder = 0
@@ -180,11 +175,12 @@ def analytic_flops(params, config, batch: int, source_len: int, target_len: int)
     else:  # Decoder layers, and the output projection when embeddings are not shared.
       decoder += leaf.size
   dense = 6 * (encoder * src_tokens + decoder * tgt_tokens)
-  d = config.d_model
-  per_row = (config.num_encoder_layers * source_len**2
-             + config.num_decoder_layers * (target_len**2 + target_len * source_len))
+  m = model_config
+  d = m.d_model
+  per_row = (m.num_encoder_layers * source_len**2
+             + m.num_decoder_layers * (target_len**2 + target_len * source_len))
   attention = 12 * d * per_row * batch  # 2 matmuls x 2 FLOPs x 3 (forward + backward).
-  output = 6 * d * config.vocab_size * tgt_tokens if config.share_embeddings else 0
+  output = 6 * d * m.vocab_size * tgt_tokens if m.share_embeddings else 0
   return {'total': float(dense + attention + output), 'dense_nonembedding': float(dense),
           'attention': float(attention), 'output_projection': float(output),
           'params_nonembedding_kernels': int(encoder + decoder)}
@@ -210,15 +206,16 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
   config, model, optimizer = built['config'], built['model'], built['optimizer']
   state, batch = built['state'], built['batch']
   params = state['params']
+  label_smoothing = config.optimizer.label_smoothing
 
   def loss_fn(params, batch, rng):
     return train.training_loss(params, batch, rng, model=model,
-                               label_smoothing=config.label_smoothing)[0]
+                               label_smoothing=label_smoothing)[0]
 
   def output_layer(hidden, embedding, targets):
     logits = (hidden @ embedding.T).astype(jnp.float32)
     weights = (targets > 0).astype(jnp.float32)
-    return train.cross_entropy(logits, targets, weights, config.label_smoothing)['loss']
+    return train.cross_entropy(logits, targets, weights, label_smoothing)['loss']
 
   def update(grads, opt_state, params):
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -226,8 +223,8 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
 
   rng = jax.random.PRNGKey(1)
   embedding = params['embed']['embedding'] if 'embed' in params else None
-  hidden = jax.random.normal(rng, batch['targets'].shape + (config.d_model,), train.DTYPES[
-      config.dtype])
+  hidden = jax.random.normal(rng, batch['targets'].shape + (model.config.d_model,),
+                             model.config.dtype)
   grads = jax.tree_util.tree_map(jnp.ones_like, params)
   parts = {
       'forward': (jax.jit(loss_fn), (params, batch, rng)),
@@ -238,8 +235,9 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
     parts['output_layer'] = (jax.jit(jax.grad(output_layer, argnums=(0, 1))),
                              (hidden, embedding.astype(hidden.dtype), batch['targets']))
   no_donation = jax.jit(functools.partial(
-      train.train_step, model=model, optimizer=optimizer, label_smoothing=config.label_smoothing,
-      grad_accum_steps=1))
+      train.train_step, model=model, optimizer=optimizer,
+      schedule=train.learning_rate_schedule(config), label_smoothing=label_smoothing,
+      grad_accum_steps=config.optimizer.grad_accum_steps))
   parts['full_step'] = (no_donation, (state, batch))
   results = {}
   for name, (fn, args) in parts.items():
@@ -279,7 +277,7 @@ def run(args: argparse.Namespace) -> dict:
   # Abstract state for the cost analysis: the real one is donated by the timed steps.
   abstract_state = jax.tree_util.tree_map(
       lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), built['state'])
-  flops_model = analytic_flops(params, config, args.batch, args.length, args.length)
+  flops_model = analytic_flops(params, config.model, args.batch, args.length, args.length)
   num_params = sum(x.size for x in jax.tree_util.tree_leaves(params))
 
   first, per_step, state = time_steps(step_fn, built['state'], batch, args.steps, args.warmup,
@@ -299,8 +297,8 @@ def run(args: argparse.Namespace) -> dict:
   results = {
       'setup': dict(vocab=args.vocab, d_model=args.d_model, d_ff=args.d_ff, heads=args.heads,
                     layers=f'{args.layers}+{args.layers}', dtype=args.dtype, batch=args.batch,
-                    length=args.length, dropout=config.dropout_rate,
-                    label_smoothing=config.label_smoothing, optimizer='adam',
+                    length=args.length, dropout=config.model.dropout_rate,
+                    label_smoothing=config.optimizer.label_smoothing, optimizer='adam',
                     params=int(num_params), steps=args.steps, warmup=args.warmup,
                     repeats=args.repeats),
       'target_tokens_per_step': tokens,

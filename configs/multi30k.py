@@ -1,102 +1,103 @@
 """Multi30k task 1, English -> German: a CPU-sized Transformer (the README's main job).
 
-A post-LN Transformer (d_model 256, d_ff 1024, 4 heads, 3+3 layers, 7.6M parameters) on the
-29,000 Multi30k training pairs, joint 8k sentencepiece BPE, 32 packed rows of 64 tokens per
-step, the paper's Adam schedule (peak 0.002 after 1,000 warmup steps), dropout and label
-smoothing 0.1. Two budgets, measured on a 2-core CPU (Intel Xeon, no GPU, jax 0.10.2) on
-2026-11-22, scored on test_2016_flickr with sacreBLEU (13a, cased), beam 4, alpha 0.6:
-
-  configs/multi30k.py        1,000 steps, 9.4 min; average of the last 3 checkpoints:
-                             29.5 BLEU (29.7 lowercased), chrF 52.6. On a 2-core AMD EPYC
-                             (the same evening): 13.0 min, 29.3 BLEU (29.6), chrF 51.8.
-  configs/multi30k.py:full   3,250 steps, ~57 min in a run made before steps became nearly
-                             twice as fast; average of the last 5 checkpoints:
-                             39.5 BLEU (39.9 lowercased), chrF 63.1.
-
-Command (offline machines point MULTI30K_DIR at the unzipped task-1 files):
-
   MULTI30K_DIR=../shared/data/multi30k python train.py \
       --config configs/multi30k.py --workdir runs/multi30k
-  python checkpoints.py --workdir runs/multi30k      # averages the config's last N
+  python checkpoints.py --workdir runs/multi30k
   python decode.py --workdir runs/multi30k --split test_2016_flickr --checkpoint averaged
 
-French instead of German: `--config.target_lang=fr`.
+A post-LN Transformer (d_model 256, 3+3 layers, 7.6M parameters) that reaches about 29 BLEU on
+test_2016_flickr in 1,000 steps, and about 38 with `configs/multi30k.py:full` (3,250 steps);
+BENCHMARKS.md has the measured runs. French instead of German: `--config.data.target_lang=fr`.
 """
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
-  """budget: 'quick' (1,000 steps, 10-13 min on 2 CPU cores) or 'full' (3,250 steps, ~1 h)."""
+  """budget: 'quick' (1,000 steps) or 'full' (3,250 steps)."""
   if budget not in ('quick', 'full'):
     raise ValueError(f"budget must be 'quick' or 'full', got {budget!r}.")
   config = ml_collections.ConfigDict()
-
-  # Data (input_pipeline.py).
-  config.dataset_name = 'multi30k'  # TFDS name, 'multi30k', or 'folder:/path/to/dir'.
-  config.data_dir = ''  # TFDS data_dir ('' = TFDS default).
-  config.manual_dir = ''  # Local copy of the raw files ('' = $MULTI30K_DIR).
-  config.source_lang = 'en'
-  config.target_lang = 'de'
-  config.train_split = 'train'
-  config.eval_split = 'val'
-  config.test_split = 'test_2016_flickr'
-  config.vocab_size = 8000  # Joint sentencepiece BPE vocabulary.
-  config.spm_sample_size = 2_000_000  # Max sentences sampled to train the tokenizer.
-  config.max_length = 64  # Training row length; longer pairs are dropped (and counted).
-  # Packed rows per step, global (over all devices and hosts): batch_size * max_length token
-  # slots per side (the paper's ~25k tokens: configs/wmt14_base.py). grad_accum_steps splits
-  # them into micro-batches for devices that cannot hold a whole step.
-  config.batch_size = 32
-  config.shuffle_buffer = 65_536
   config.seed = 0
-
-  # Model (model.TransformerConfig).
-  config.d_model = 256
-  config.num_heads = 4
-  config.d_ff = 1024
-  config.num_encoder_layers = 3
-  config.num_decoder_layers = 3
-  config.dropout_rate = 0.1
-  config.attention_dropout_rate = 0.0
-  config.share_embeddings = True
-  config.pre_norm = False
-  config.positional = 'sinusoidal'
-  config.model_max_len = 256  # Longest sequence the positional table covers.
-  config.dtype = 'float32'  # Compute dtype; 'bfloat16' for mixed precision.
-
-  # Optimisation.
   config.num_train_steps = 1000
-  config.warmup_steps = 1000
-  config.learning_rate_scale = 1.0
-  config.adam_b1 = 0.9
-  config.adam_b2 = 0.98
-  config.adam_eps = 1e-9
-  config.weight_decay = 0.0
-  config.grad_clip_norm = 0.0  # 0 = no clipping.
-  config.label_smoothing = 0.1
-  config.grad_accum_steps = 1
-  config.max_consecutive_nonfinite = 10
-  config.mesh_shape = ''  # e.g. 'data:4,fsdp:2'; '' = all devices on 'data'.
+  config.mesh_shape = ''  # e.g. 'data:4,fsdp:2'; '' = every device on 'data'.
 
-  # Checkpoints, evaluation, logging.
+  # input_pipeline.py.
+  config.data = ml_collections.ConfigDict()
+  config.data.dataset_name = 'multi30k'  # TFDS name, 'multi30k', or 'folder:/path/to/dir'.
+  config.data.data_dir = ''  # TFDS data_dir ('' = TFDS default).
+  config.data.manual_dir = ''  # Local copy of the raw files ('' = $MULTI30K_DIR).
+  config.data.source_lang = 'en'
+  config.data.target_lang = 'de'
+  config.data.train_split = 'train'
+  config.data.eval_split = 'val'
+  config.data.test_split = 'test_2016_flickr'
+  config.data.spm_sample_size = 2_000_000  # Max sentences sampled to train the tokenizer.
+  config.data.max_length = 64  # Training row length per side; longer pairs are dropped.
+  # Packed rows per step over all devices and hosts: batch_size * max_length token slots per
+  # side. optimizer.grad_accum_steps splits them into micro-batches.
+  config.data.batch_size = 32
+  config.data.shuffle_buffer = 65_536  # Packing window, in pairs.
+
+  # model.TransformerConfig(**config.model): every field of the model.
+  config.model = ml_collections.ConfigDict()
+  config.model.vocab_size = 8000  # Joint sentencepiece BPE, trained to this size.
+  config.model.d_model = 256
+  config.model.num_heads = 4
+  config.model.d_ff = 1024
+  config.model.num_encoder_layers = 3
+  config.model.num_decoder_layers = 3
+  config.model.dropout_rate = 0.1
+  config.model.attention_dropout_rate = 0.0
+  config.model.max_len = 256  # Longest sequence the positional table covers.
+  config.model.share_embeddings = True
+  config.model.pre_norm = False
+  config.model.positional = 'sinusoidal'
+  config.model.activation = 'relu'
+  config.model.attention_probs = 'softmax'
+  config.model.layer_norm_epsilon = 1e-6
+  config.model.dtype = 'float32'  # Compute dtype; 'bfloat16' for mixed precision.
+  config.model.param_dtype = 'float32'
+  config.model.cpu_tuned = placeholder(bool)  # None: the CPU-tuned kernels on CPU only.
+  config.model.attention_implementation = placeholder(str)  # jax.nn.dot_product_attention's.
+
+  # The paper's Adam and learning-rate schedule, and what happens to each update.
+  config.optimizer = ml_collections.ConfigDict()
+  config.optimizer.warmup_steps = 1000
+  config.optimizer.learning_rate_scale = 1.0
+  config.optimizer.adam_b1 = 0.9
+  config.optimizer.adam_b2 = 0.98
+  config.optimizer.adam_eps = 1e-9
+  config.optimizer.weight_decay = 0.0
+  config.optimizer.grad_clip_norm = 0.0  # 0 = no clipping.
+  config.optimizer.label_smoothing = 0.1
+  config.optimizer.grad_accum_steps = 1
+  config.optimizer.max_consecutive_nonfinite = 10
+
+  # Checkpoints and logging.
   config.checkpoint_every_steps = 250
   config.keep_checkpoints = 5
   config.average_last_checkpoints = 3
   config.log_every_steps = 50
-  config.eval_every_steps = 250
-  config.bleu_every_steps = 500
-  config.num_eval_bleu_sentences = 256
 
-  # Decoding.
-  config.beam_size = 4
-  config.length_penalty_alpha = 0.6
-  config.max_decode_extra_length = 50  # max output length = source length + this.
-  config.max_decode_length = 256
-  config.eval_batch_tokens = 4096
+  # Validation during training.
+  config.eval = ml_collections.ConfigDict()
+  config.eval.every_steps = 250  # Loss, perplexity and accuracy on data.eval_split.
+  config.eval.bleu_every_steps = 500
+  config.eval.bleu_sentences = 256  # The first N sentences of data.eval_split.
+
+  # Beam search (decode.py and BLEU during training).
+  config.decode = ml_collections.ConfigDict()
+  config.decode.beam_size = 4
+  config.decode.alpha = 0.6  # Length-penalty exponent.
+  config.decode.max_extra_length = 50  # Output length <= source length + this.
+  config.decode.max_length = 256  # And <= this.
+  config.decode.batch_tokens = 4096  # Source tokens per batch.
+
   if budget == 'full':
     config.num_train_steps = 3250
     config.average_last_checkpoints = 5
-    config.eval_every_steps = 500
-    config.bleu_every_steps = 1000
+    config.eval.every_steps = 500
+    config.eval.bleu_every_steps = 1000
   return config

@@ -55,10 +55,14 @@ class TransformerConfig:
   activation: str = 'relu'
   attention_probs: str = 'softmax'  # A key of ATTENTION_PROBS.
   layer_norm_epsilon: float = 1e-6
-  dtype: Any = jnp.float32  # Compute dtype, e.g. jnp.bfloat16.
+  dtype: Any = jnp.float32  # Compute dtype, e.g. jnp.bfloat16 or 'bfloat16'.
   param_dtype: Any = jnp.float32
+  cpu_tuned: bool | None = None
+  attention_implementation: str | None = None
 
   def __post_init__(self):
+    for name in ('dtype', 'param_dtype'):  # Names, as configs hold them, or dtypes.
+      object.__setattr__(self, name, jnp.dtype(getattr(self, name)).type)
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
     if self.positional not in ('sinusoidal', 'learned'):

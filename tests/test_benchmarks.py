@@ -1,10 +1,14 @@
-"""Smoke tests of benchmarks/train_step.py and benchmarks/plot_curves.py on tiny inputs."""
+"""Smoke tests of the benchmarks (train step, input pipeline, matmul peak, plots) on tiny inputs."""
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 
-from benchmarks import plot_curves
+import input_pipeline as ip
+from benchmarks import input_pipeline as input_pipeline_benchmark
+from benchmarks import matmul_peak, plot_curves
 from benchmarks import train_step as train_step_benchmark
 
 TINY = ['--steps', '2', '--repeats', '1', '--warmup', '1', '--vocab', '64', '--d-model', '16',
@@ -26,18 +30,50 @@ def test_train_step_benchmark_writes_positive_numbers(tmp_path):
   assert {'forward', 'forward_backward', 'optimizer', 'full_step'} <= set(results['breakdown'])
 
 
+def test_train_step_benchmark_config_has_the_requested_shape():
+  config = train_step_benchmark.make_config(train_step_benchmark.parse_args(
+      TINY + ['--dtype', 'bfloat16', '--dropout', '0']))
+  assert (config.model.vocab_size, config.model.d_model, config.model.d_ff,
+          config.model.num_heads) == (64, 16, 32, 2)
+  assert config.model.num_encoder_layers == config.model.num_decoder_layers == 1
+  assert config.model.dtype == 'bfloat16' and config.model.dropout_rate == 0
+  assert (config.data.batch_size, config.data.max_length) == (8, 8)
+  assert config.optimizer.label_smoothing == 0.1 and config.optimizer.grad_accum_steps == 1
+  # The benchmark times the one shared definition of the peak.
+  assert train_step_benchmark.matmul_peak_gflops is matmul_peak.matmul_peak_gflops
+
+
+def test_matmul_peak_is_positive():
+  assert matmul_peak.matmul_peak_gflops(size=64, repeats=2) > 0
+  with pytest.raises(ValueError, match='positive'):
+    matmul_peak.matmul_peak_gflops(size=64, repeats=0)
+
+
 def test_analytic_flops_match_hand_count():
   """One 1+1-layer model: 6 * kernels * tokens + attention + output projection."""
   args = train_step_benchmark.parse_args(TINY)
   built = train_step_benchmark.build(args)
   flops = train_step_benchmark.analytic_flops(
-      built['state']['params'], built['config'], batch=8, source_len=8, target_len=8)
+      built['state']['params'], built['config'].model, batch=8, source_len=8, target_len=8)
   d, ff, vocab, tokens = 16, 32, 64, 64
   encoder, decoder = 4 * d * d + 2 * d * ff, 8 * d * d + 2 * d * ff
   assert flops['params_nonembedding_kernels'] == encoder + decoder
   assert flops['dense_nonembedding'] == 6 * (encoder + decoder) * tokens
   assert flops['attention'] == 12 * d * 8 * (8 * 8 + 8 * 8 + 8 * 8)
   assert flops['output_projection'] == 6 * d * vocab * tokens
+
+
+@pytest.mark.skipif(not (Path(os.environ.get(ip.MULTI30K_ENV, '/nonexistent')) / 'train.en')
+                    .is_file(), reason='Multi30k test data not found ($MULTI30K_DIR)')
+def test_input_pipeline_benchmark_runs(tmp_path):
+  out = tmp_path / 'input.json'
+  results = input_pipeline_benchmark.main(['--workdir', str(tmp_path / 'work'), '--batches', '5',
+                                           '--warmup', '1', '--json', str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+  assert (results['batch_size'], results['max_length'], results['vocab_size']) == (32, 64, 8000)
+  assert results['batches_per_second'] > 0 and results['target_tokens_per_second'] > 0
+  assert 0.9 <= results['packing_efficiency'] <= 1
+  assert results['final_state'] == {'epoch': 0, 'batch_in_epoch': 6}
 
 
 def _write_metrics(path, lines):

@@ -10,8 +10,9 @@ import pytest
 import sacrebleu
 
 import checkpoints
-import decode
+import sharding
 import train
+import translation
 from configs import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,8 +28,8 @@ def workdir(tmp_path_factory):
   config = tiny.get_config()
   config.num_train_steps = 12
   config.checkpoint_every_steps = 4
-  config.eval_every_steps = 1000
-  config.bleu_every_steps = 1000
+  config.eval.every_steps = 1000
+  config.eval.bleu_every_steps = 1000
   train.train_and_evaluate(config, str(path))
   return str(path)
 
@@ -47,7 +48,7 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
   refs = [references[i] for i in picked]
   lines.insert(3, '')
   refs.insert(3, '')
-  lines.append(' '.join(sources[:40]))  # ~500 tokens > model_max_len=128: truncated.
+  lines.append(' '.join(sources[:40]))  # ~500 tokens > model.max_len=128: truncated.
   refs.append(references[0])
   (tmp_path / 'src.txt').write_text(''.join(x + '\n' for x in lines), encoding='utf-8')
   (tmp_path / 'ref.txt').write_text(''.join(x + '\n' for x in refs), encoding='utf-8')
@@ -65,11 +66,11 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
   assert 'chrF' in stderr and 'nrefs:1' in stderr
 
   # Order: each line translated alone gives the same output as inside the file.
-  config, tokenizer, model = decode.load_run(workdir)
-  params, _ = checkpoints.load_params(workdir)
+  config, tokenizer, model = translation.load_run(workdir)
+  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = translation.load_params(workdir, translator.mesh)
   for position in (0, 2, 5):
-    alone = decode.translate(model, params, tokenizer, [lines[position]], config)
-    assert alone == [hypotheses[position]]
+    assert translator(params, [lines[position]]) == [hypotheses[position]]
 
 
 def test_decode_stdin_to_stdout_and_nbest(workdir):
@@ -107,6 +108,7 @@ def test_checkpoint_averaging(workdir):
   assert averaged == steps
   loaded, origin = checkpoints.load_params(workdir, 'averaged')
   assert 'averaged' in origin
+  by_step, loaded = jax.device_get((by_step, loaded))
   for a, b, mean in zip(*(jax.tree_util.tree_leaves(t) for t in (*by_step, loaded))):
     np.testing.assert_allclose(mean, (a + b) / 2, rtol=1e-6, atol=1e-7)
   differs = any(not np.array_equal(a, b) for a, b in zip(

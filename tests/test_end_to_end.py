@@ -10,9 +10,10 @@ import os
 import pytest
 
 import checkpoints
-import decode
 import input_pipeline
+import sharding
 import train
+import translation
 from configs import multi30k, tiny
 
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -25,32 +26,33 @@ def train_translate_score(config, workdir, num_sentences):
   result = train.train_and_evaluate(config, workdir)
   assert result['step'] == config.num_train_steps
   checkpoints.save_averaged(workdir, config.average_last_checkpoints)
-  run_config, tokenizer, model = decode.load_run(workdir)
-  params, _ = checkpoints.load_params(workdir, 'averaged')
-  sources, references = input_pipeline.read_split(run_config, run_config.test_split)
-  hypotheses = decode.translate(model, params, tokenizer, sources[:num_sentences], run_config)
+  run_config, tokenizer, model = translation.load_run(workdir)
+  translator = translation.Translator(model, tokenizer, run_config.decode, sharding.make_mesh())
+  params, _ = translation.load_params(workdir, translator.mesh, 'averaged')
+  sources, references = input_pipeline.read_split(run_config, run_config.data.test_split)
+  hypotheses = translator(params, sources[:num_sentences])
   assert len(hypotheses) == num_sentences
-  return decode.score(hypotheses, references[:num_sentences]), result
+  return translation.score(hypotheses, references[:num_sentences]), result
 
 
 def test_small_model_learns_to_translate(tmp_path):
   config = tiny.get_config()
-  config.vocab_size = 2000
-  config.spm_sample_size = 20000
-  config.d_model = 128
-  config.num_heads = 4
-  config.d_ff = 256
-  config.num_encoder_layers = 2
-  config.num_decoder_layers = 2
-  config.batch_size = 32
-  config.max_length = 48
+  config.model.vocab_size = 2000
+  config.data.spm_sample_size = 20000
+  config.model.d_model = 128
+  config.model.num_heads = 4
+  config.model.d_ff = 256
+  config.model.num_encoder_layers = 2
+  config.model.num_decoder_layers = 2
+  config.data.batch_size = 32
+  config.data.max_length = 48
   config.num_train_steps = 600
-  config.warmup_steps = 200
-  config.learning_rate_scale = 1.0
+  config.optimizer.warmup_steps = 200
+  config.optimizer.learning_rate_scale = 1.0
   config.checkpoint_every_steps = 100
   config.average_last_checkpoints = 3
-  config.eval_every_steps = 300
-  config.bleu_every_steps = 10_000
+  config.eval.every_steps = 300
+  config.eval.bleu_every_steps = 10_000
   config.log_every_steps = 100
   scores, result = train_translate_score(config, str(tmp_path), 200)
   print('small model:', scores, result['metrics'])
@@ -60,13 +62,13 @@ def test_small_model_learns_to_translate(tmp_path):
 
 @pytest.mark.slow
 def test_default_recipe_reaches_its_documented_score(tmp_path):
-  """The README's main job (10-13 minutes on 2 cores here): documented at 29.3-29.5 BLEU."""
+  """The README's main job: its documented score is in BENCHMARKS.md."""
   scores, _ = train_translate_score(multi30k.get_config(), str(tmp_path), 1000)
   print('default recipe:', scores)
   assert scores['bleu'] > SLOW_BLEU_FLOOR, scores
 
 
-# Measured 16.0 BLEU / 38.5 chrF for the small model (2026-11-22); an untrained one scores < 1.
+# The small model scores about 16 BLEU / 38 chrF (BENCHMARKS.md); an untrained one scores < 1.
 FAST_BLEU_FLOOR = 8.0
 FAST_CHRF_FLOOR = 25.0
 # The default recipe measured 29.3-29.5 (BENCHMARKS.md); the floor leaves room for noise.

@@ -1,10 +1,14 @@
-"""Tests for input_pipeline.py on real Multi30k text (from ../shared/data, skipped if absent)."""
+"""Tests for input_pipeline.py, mostly on real Multi30k text ($MULTI30K_DIR or ../shared/data).
+
+Tests that need the Multi30k files are skipped when they are absent.
+"""
 
 import collections
 import gzip
 import io
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,9 +17,10 @@ import pytest
 import input_pipeline as ip
 from configs import multi30k
 
-MULTI30K = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k'
-pytestmark = pytest.mark.skipif(not (MULTI30K / 'train.en').is_file(),
-                                reason=f'Multi30k test data not found at {MULTI30K}')
+MULTI30K = Path(os.environ.get(ip.MULTI30K_ENV) or
+                Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k')
+needs_multi30k = pytest.mark.skipif(not (MULTI30K / 'train.en').is_file(),
+                                    reason=f'Multi30k test data not found at {MULTI30K}')
 
 
 def _write(folder: Path, name: str, lines, raw: bytes | None = None) -> None:
@@ -24,16 +29,15 @@ def _write(folder: Path, name: str, lines, raw: bytes | None = None) -> None:
   (folder / name).write_bytes(data)
 
 
-def _config(tmp: Path, folder: Path, **overrides):
+def _config(tmp: Path, folder: Path):
   config = multi30k.get_config()
-  config.dataset_name = f'folder:{folder}'
-  config.data_dir = str(tmp / 'tfds')
-  config.vocab_size = 1000
-  config.spm_sample_size = 3000
-  config.max_length = 32
-  config.batch_size = 8
-  config.shuffle_buffer = 1024
-  config.update(overrides)
+  config.data.dataset_name = f'folder:{folder}'
+  config.data.data_dir = str(tmp / 'tfds')
+  config.data.spm_sample_size = 3000
+  config.data.max_length = 32
+  config.data.batch_size = 8
+  config.data.shuffle_buffer = 1024
+  config.model.vocab_size = 1000
   return config
 
 
@@ -78,16 +82,17 @@ def _expected_pairs(config, tokenizer, src, tgt):
   s, t = tokenizer.encode(src), tokenizer.encode(tgt)
   return collections.Counter(
       (tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(s, t, strict=True)
-      if len(a) <= config.max_length and len(b) <= config.max_length)
+      if len(a) <= config.data.max_length and len(b) <= config.data.max_length)
 
 
+@needs_multi30k
 def test_tokenizer_round_trip_without_unk(small):
   _, tokenizer, _ = small
   texts = ip.read_lines(MULTI30K / 'test_2016_flickr.de')[:200] + [
       'Ein Hund 🐕 läuft über die Straße.', '猫がマットの上に座っている。', 'Ça coûte 5 € — ok?',
       'Zwei  Leerzeichen', '']
   ids = tokenizer.encode(texts)
-  assert 300 < tokenizer.vocab_size <= 1000
+  assert tokenizer.vocab_size == 1000
   for text, x in zip(texts, ids, strict=True):
     assert x.dtype == np.int32 and x[-1] == ip.EOS_ID
     assert ip.UNK_ID not in x and ip.PAD_ID not in x
@@ -99,24 +104,47 @@ def test_tokenizer_round_trip_without_unk(small):
   assert tokenizer.decode_batch(padded) == [texts[0], texts[-2]]
 
 
-def test_tokenizer_deterministic_and_reused(small, tmp_path):
+def _no_training(*args, **kwargs):
+  raise AssertionError('tokenizer retrained or data read')
+
+
+@needs_multi30k
+def test_tokenizer_deterministic_and_reused(small, tmp_path, monkeypatch):
   config, _, _ = small
   a = ip.load_or_train_tokenizer(config, str(tmp_path / 'a'))
   ip.load_or_train_tokenizer(config, str(tmp_path / 'b'))
   bytes_a = (tmp_path / 'a' / 'tokenizer.model').read_bytes()
   assert bytes_a == (tmp_path / 'b' / 'tokenizer.model').read_bytes()
   assert not [f for f in os.listdir(tmp_path / 'a') if 'tmp' in f]
-  # Existing model is reused, not retrained (a different vocab size would change it).
+  # The seed drives the sample when the corpus exceeds data.spm_sample_size.
   config2 = config.copy_and_resolve_references()
-  config2.vocab_size = 600
-  assert ip.load_or_train_tokenizer(config2, str(tmp_path / 'a')).vocab_size == a.vocab_size
-  assert (tmp_path / 'a' / 'tokenizer.model').read_bytes() == bytes_a
-  # The seed drives the sample when the corpus exceeds spm_sample_size.
-  config2.vocab_size, config2.seed = config.vocab_size, config.seed + 1
+  config2.seed = config.seed + 1
   ip.load_or_train_tokenizer(config2, str(tmp_path / 'c'))
   assert (tmp_path / 'c' / 'tokenizer.model').read_bytes() != bytes_a
+  # An existing model of the configured size is reused: neither data nor trainer is touched.
+  monkeypatch.setattr(ip, 'read_split', _no_training)
+  monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
+  reused = ip.load_or_train_tokenizer(config2, str(tmp_path / 'a'))
+  assert reused.vocab_size == a.vocab_size == config.model.vocab_size
+  assert (tmp_path / 'a' / 'tokenizer.model').read_bytes() == bytes_a
 
 
+@needs_multi30k
+def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch):
+  config, tokenizer, _ = small
+  path = tmp_path / 'tokenizer.model'
+  path.write_bytes(tokenizer._sp.serialized_model_proto())
+  monkeypatch.setattr(ip, 'read_split', _no_training)
+  monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
+  assert ip.load_or_train_tokenizer(config, str(tmp_path)).vocab_size == 1000
+  other = config.copy_and_resolve_references()
+  other.model.vocab_size = 600
+  with pytest.raises(ip.DataError, match=r'tokenizer\.model has 1000 pieces.*vocab_size is 600'):
+    ip.load_or_train_tokenizer(other, str(tmp_path))
+  assert path.read_bytes() == tokenizer._sp.serialized_model_proto()  # Left as it was.
+
+
+@needs_multi30k
 def test_one_epoch_packs_every_pair_exactly_once(small):
   config, tokenizer, (src, tgt) = small
   it = ip.make_train_iterator(config, tokenizer)
@@ -132,6 +160,7 @@ def test_one_epoch_packs_every_pair_exactly_once(small):
   it.close()
 
 
+@needs_multi30k
 def test_process_shards_disjoint_and_complete(small):
   config, tokenizer, (src, tgt) = small
   shards = [ip.make_train_iterator(config, tokenizer, process_index=p, process_count=2)
@@ -144,10 +173,18 @@ def test_process_shards_disjoint_and_complete(small):
     pairs.append(collections.Counter(_epoch_pairs(it, it.num_batches - 1) + list(_unpack(b))))
   assert not set(pairs[0]) & set(pairs[1])
   assert pairs[0] + pairs[1] == _expected_pairs(config, tokenizer, src, tgt)
-  with pytest.raises(ValueError, match='not divisible'):
+  with pytest.raises(ip.DataError, match='batch_size=8 rows do not divide over 3 hosts'):
     ip.make_train_iterator(config, tokenizer, process_count=3)
 
 
+def test_rows_per_host():
+  assert ip.rows_per_host(32, 1) == 32
+  assert ip.rows_per_host(32, 4) == 8
+  with pytest.raises(ip.DataError, match='multiple of 3'):
+    ip.rows_per_host(32, 3)
+
+
+@needs_multi30k
 def test_deterministic_under_seed(small):
   config, tokenizer, _ = small
   def first(cfg, n=4):
@@ -165,6 +202,7 @@ def test_deterministic_under_seed(small):
   assert not np.array_equal(next(it)['targets'], a[0])
 
 
+@needs_multi30k
 @pytest.mark.parametrize('k', [3, 'epoch_end'])
 def test_resume_continues_at_next_batch(small, k):
   config, tokenizer, _ = small
@@ -182,6 +220,7 @@ def test_resume_continues_at_next_batch(small, k):
     ip.make_train_iterator(config, tokenizer, state={'epoch': 0, 'batch_in_epoch': 10**6})
 
 
+@needs_multi30k
 def test_errors_name_the_file(tmp_path):
   folder = tmp_path / 'bad'
   _write(folder, 'train.en', ['a', 'b', 'c'])
@@ -198,11 +237,12 @@ def test_errors_name_the_file(tmp_path):
     ip.read_lines(folder / 'train.de')
   with pytest.raises(FileNotFoundError, match='nowhere'):
     ip.read_split(_config(tmp_path, tmp_path / 'nowhere'), 'train')
-  config.dataset_name = 'no_such_dataset_xyz/de-en'
+  config.data.dataset_name = 'no_such_dataset_xyz/de-en'
   with pytest.raises(ip.DataError, match='no_such_dataset_xyz'):
     ip.read_split(config, 'train')
 
 
+@needs_multi30k
 def test_empty_lines_skipped_for_train_kept_for_eval(tmp_path):
   folder = tmp_path / 'data'
   _write(folder, 'train.en', ['a dog', '', 'a cat', 'a bird'])
@@ -218,27 +258,30 @@ def _no_network(*args, **kwargs):
   raise AssertionError('network used')
 
 
+@needs_multi30k
 def test_multi30k_builder_local_copy(tmp_path, monkeypatch):
   monkeypatch.setenv(ip.MULTI30K_ENV, str(MULTI30K))
   monkeypatch.setattr(ip.socket, 'create_connection', _no_network)
   monkeypatch.setattr(ip.tfds.download.DownloadManager, 'download', _no_network)
   config = multi30k.get_config()
-  config.data_dir = str(tmp_path / 'tfds')
+  config.data.data_dir = str(tmp_path / 'tfds')
   sizes = {'train': 29000, 'val': 1014, 'test_2016_flickr': 1000}
   for split, n in sizes.items():
     src, tgt = ip.read_split(config, split)
     assert len(src) == len(tgt) == n
     assert src == [x.strip() for x in ip.read_lines(MULTI30K / f'{split}.en')]
     assert tgt == [x.strip() for x in ip.read_lines(MULTI30K / f'{split}.de')]
-  config.target_lang = 'fr'
+  config.data.target_lang = 'fr'
   assert ip.read_split(config, 'val')[1][0] == ip.read_lines(MULTI30K / 'val.fr')[0].strip()
   # A local copy lacking files: the error lists what to put where.
-  config.data_dir, config.manual_dir = str(tmp_path / 'tfds2'), str(tmp_path / 'empty')
+  config.data.data_dir = str(tmp_path / 'tfds2')
+  config.data.manual_dir = str(tmp_path / 'empty')
   (tmp_path / 'empty').mkdir()
   with pytest.raises(FileNotFoundError, match=r'empty.*train\.en.*test_2016_flickr\.fr'):
     ip.read_split(config, 'train')
 
 
+@needs_multi30k
 def test_multi30k_download_is_gunzipped_and_checked(tmp_path, monkeypatch):
   """Download path with the network faked by local .gz files (checksums of the content)."""
   gz_dir = tmp_path / 'gz'
@@ -251,21 +294,22 @@ def test_multi30k_download_is_gunzipped_and_checked(tmp_path, monkeypatch):
   fake = lambda self, urls: {k: gz_dir / v.rsplit('/', 1)[1] for k, v in urls.items()}
   monkeypatch.setattr(ip.tfds.download.DownloadManager, 'download', fake)
   config = multi30k.get_config()
-  config.data_dir = str(tmp_path / 'tfds')
+  config.data.data_dir = str(tmp_path / 'tfds')
   assert ip.read_split(config, 'val')[0][:2] == ip.read_lines(MULTI30K / 'val.en')[:2]
   # A corrupted download is refused.
   with gzip.open(gz_dir / 'val.de.gz', 'wb') as f:
     f.write(b'Falsch\n' * 1014)
-  config.data_dir = str(tmp_path / 'tfds2')
+  config.data.data_dir = str(tmp_path / 'tfds2')
   with pytest.raises(ip.DataError, match=r'val\.de: sha256 mismatch'):
     ip.read_split(config, 'val')
 
 
+@needs_multi30k
 def test_multi30k_vocab8000_packing_efficiency(tmp_path, monkeypatch):
   """Full-size recipe: 8k BPE trains fast and packing at max_length 64 is >= 90%."""
   monkeypatch.setenv(ip.MULTI30K_ENV, str(MULTI30K))
   config = multi30k.get_config()
-  config.data_dir = str(tmp_path / 'tfds')
+  config.data.data_dir = str(tmp_path / 'tfds')
   tokenizer = ip.load_or_train_tokenizer(config, str(tmp_path / 'work'))
   assert tokenizer.vocab_size == 8000
   it = ip.make_train_iterator(config, tokenizer)
@@ -275,23 +319,98 @@ def test_multi30k_vocab8000_packing_efficiency(tmp_path, monkeypatch):
   it.close()
 
 
-def test_eval_batches_cover_every_index_within_budget():
+def test_read_lines_from_stdin(monkeypatch):
+  class Stdin:
+    def __init__(self, data: bytes):
+      self.buffer = io.BytesIO(data)
+
+  monkeypatch.setattr(sys, 'stdin', Stdin('a dog\r\n\nüber 🐕\nno newline'.encode()))
+  assert ip.read_lines('-') == ['a dog', '', 'über 🐕', 'no newline']
+  monkeypatch.setattr(sys, 'stdin', Stdin(b'one\n'))
+  assert ip.read_lines('-') == ['one']  # A final newline ends the last line, adds none.
+  monkeypatch.setattr(sys, 'stdin', Stdin(b''))
+  assert ip.read_lines('-') == []
+  monkeypatch.setattr(sys, 'stdin', Stdin('x\nG\xfcnter\n'.encode('latin-1')))
+  with pytest.raises(ip.DataError, match=r'stdin:2: invalid UTF-8'):
+    ip.read_lines('-')
+
+
+def _seq(rng, n: int) -> np.ndarray:
+  """n - 1 random non-special ids and EOS."""
+  return np.append(rng.integers(3, 100, size=n - 1), ip.EOS_ID).astype(np.int32)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@pytest.mark.parametrize('row_multiple', [1, 4])
+def test_length_batches_cover_every_pair_within_budget(row_multiple):
+  budget, max_length = 256, 40
+  rng = np.random.default_rng(row_multiple)
+  # Independent lengths per side: a row's length is set by the longer side of its pair.
+  sides = {'inputs': [_seq(rng, n) for n in rng.integers(1, 61, size=300)],
+           'targets': [_seq(rng, n) for n in rng.integers(1, 61, size=300)]}
+  sides['inputs'].append(_seq(rng, 300))  # Longer than the budget and than max_length.
+  sides['targets'].append(_seq(rng, 3))
+  sides['inputs'].append(_seq(rng, 2))  # Only the target side is too long.
+  sides['targets'].append(_seq(rng, 50))
+  originals = {k: [x.copy() for x in v] for k, v in sides.items()}
+  count = len(sides['inputs'])
+
+  def expected(side, i, limit):
+    x = originals[side][i]
+    return x if limit is None or len(x) <= limit else np.append(x[:limit - 1], ip.EOS_ID)
+
+  for limit in (None, max_length):
+    batches = ip.length_batches(sides, budget, max_length=limit, row_multiple=row_multiple)
+    seen = np.concatenate([idx for idx, _ in batches])
+    assert seen.dtype == np.int64 and sorted(seen.tolist()) == list(range(count))
+    lone_oversize, previous_length = 0, 0
+    for idx, arrays in batches:
+      assert set(arrays) == {'inputs', 'targets'}
+      rows, length = arrays['inputs'].shape
+      assert arrays['targets'].shape == (rows, length)
+      assert all(a.dtype == np.int32 for a in arrays.values())
+      # Rows: the smallest power of two >= the batch that row_multiple divides.
+      assert rows & (rows - 1) == 0 and rows % row_multiple == 0
+      assert rows >= len(idx) and (rows == row_multiple or rows < 2 * len(idx))
+      # Length: the longest side of any member, rounded up to 8; sorted by it.
+      wanted = [expected(side, i, limit) for side in sides for i in idx]
+      assert length == _round_up(max(len(x) for x in wanted), 8)
+      assert length >= previous_length
+      previous_length = length
+      # The budget holds for the padded batch; only a lone member may break it.
+      if rows * length > budget:
+        assert len(idx) == 1 and rows == row_multiple
+        lone_oversize += length > budget
+      # Both sides of a pair in the same row, PAD after them and in the padding rows.
+      for side, ids in arrays.items():
+        for r, i in enumerate(idx):
+          x = expected(side, i, limit)
+          assert np.array_equal(ids[r, :len(x)], x) and np.all(ids[r, len(x):] == ip.PAD_ID)
+        assert np.all(ids[len(idx):] == ip.PAD_ID)
+      if limit is not None:
+        assert length <= _round_up(limit, 8)
+        lengths = (arrays['inputs'][:len(idx)] != ip.PAD_ID).sum(1)
+        assert np.all(lengths <= limit)
+    # Untruncated, the 300-token source is too long for any batch of 256 tokens.
+    assert lone_oversize == (1 if limit is None else 0)
+  # Truncation ends in EOS and happens on copies: the caller's sequences are unchanged.
+  assert all(np.array_equal(a, b) for side in sides
+             for a, b in zip(sides[side], originals[side], strict=True))
+  truncated = ip.length_batches(sides, budget, max_length=max_length)
+  for idx, arrays in truncated:
+    for r, i in enumerate(idx):
+      if i == count - 2:
+        assert arrays['inputs'][r, max_length - 1] == ip.EOS_ID
+        assert np.array_equal(arrays['inputs'][r, :max_length - 1],
+                              originals['inputs'][i][:max_length - 1])
+
+
+def test_length_batches_single_side_and_length_multiple():
   rng = np.random.default_rng(0)
-  seqs = [np.append(rng.integers(3, 100, size=n), ip.EOS_ID).astype(np.int32)
-          for n in rng.integers(0, 60, size=500)]
-  seqs.append(np.append(np.full(300, 5), ip.EOS_ID).astype(np.int32))  # Longer than budget.
-  batches = ip.make_eval_batches(seqs, max_batch_tokens=256)
-  seen = np.concatenate([idx for idx, _ in batches])
-  assert sorted(seen.tolist()) == list(range(len(seqs)))
-  prev = 0
-  for idx, ids in batches:
-    assert ids.shape[0] == len(idx) and ids.dtype == np.int32
-    assert ids.size <= 256 or len(idx) == 1
-    assert ids.shape[1] >= prev  # Length-sorted.
-    prev = ids.shape[1]
-    for i, row in zip(idx, ids, strict=True):
-      n = len(seqs[i])
-      assert np.array_equal(row[:n], seqs[i]) and np.all(row[n:] == ip.PAD_ID)
-  capped = ip.make_eval_batches(seqs, max_batch_tokens=256, max_length=40)
-  assert sum(len(i) for i, _ in capped) == len(seqs)
-  assert all(ids.shape[1] <= 40 and np.all((ids == ip.EOS_ID).sum(1) == 1) for _, ids in capped)
+  seqs = [_seq(rng, n) for n in (5, 17, 3, 16, 9)]
+  batches = ip.length_batches({'inputs': seqs}, max_batch_tokens=64, length_multiple=16)
+  assert [(idx.tolist(), a['inputs'].shape) for idx, a in batches] == [
+      ([0, 2, 3, 4], (4, 16)), ([1], (1, 32))]

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import checkpoints
+import sharding
 import train
 from configs import tiny
-from model import Transformer
+from model import Transformer, TransformerConfig
 
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
 needs_multi30k = pytest.mark.skipif(
@@ -21,11 +22,16 @@ needs_multi30k = pytest.mark.skipif(
     reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
 
 
-def small_config(**overrides):
+def small_config(overrides: dict | None = None):
+  """configs/tiny.py without dropout, with {'group.key': value} overrides."""
   config = tiny.get_config()
-  config.dropout_rate = 0.0
-  for key, value in overrides.items():
-    config[key] = value
+  config.model.dropout_rate = 0.0
+  for path, value in (overrides or {}).items():
+    *groups, key = path.split('.')
+    node = config
+    for group in groups:
+      node = node[group]
+    node[key] = value
   return config
 
 
@@ -49,7 +55,8 @@ def random_batch(rng, rows, length, vocab, packed=True):
 
 
 def test_schedule_matches_the_paper_formula():
-  config = small_config(d_model=512, warmup_steps=4000, learning_rate_scale=1.0)
+  config = small_config({'model.d_model': 512, 'optimizer.warmup_steps': 4000,
+                         'optimizer.learning_rate_scale': 1.0})
   schedule = train.learning_rate_schedule(config)
   for step in (1, 100, 3999, 4000, 4001, 20000, 100000):
     expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
@@ -57,14 +64,15 @@ def test_schedule_matches_the_paper_formula():
   # Peak at the end of warmup, then decay.
   assert float(schedule(3999)) > float(schedule(2000))
   assert float(schedule(3999)) > float(schedule(8000))
-  config.learning_rate_scale = 2.0
+  config.optimizer.learning_rate_scale = 2.0
   assert float(train.learning_rate_schedule(config)(99)) == pytest.approx(
       2 * 512**-0.5 * 100 * 4000**-1.5, rel=1e-5)
 
 
 def test_optimizer_clips_before_adam_and_decays_only_matrices():
-  config = small_config(d_model=64, warmup_steps=10, learning_rate_scale=1.0,
-                        grad_clip_norm=1.0, weight_decay=0.0)
+  config = small_config({'model.d_model': 64, 'optimizer.warmup_steps': 10,
+                         'optimizer.learning_rate_scale': 1.0, 'optimizer.grad_clip_norm': 1.0,
+                         'optimizer.weight_decay': 0.0})
   rng = np.random.default_rng(0)
   params = {'dense': {'kernel': rng.normal(size=(4, 3)), 'bias': rng.normal(size=3)},
             'norm': {'scale': rng.normal(size=3)}}
@@ -89,7 +97,8 @@ def test_optimizer_clips_before_adam_and_decays_only_matrices():
     _assert_trees_close(updates, expected, atol=1e-6)
   # Weight decay: with zero gradients Adam's step is zero, leaving -lr * decay * param on
   # matrices and nothing on biases and LayerNorm scales.
-  config = small_config(d_model=64, warmup_steps=10, learning_rate_scale=1.0, weight_decay=0.1)
+  config = small_config({'model.d_model': 64, 'optimizer.warmup_steps': 10,
+                         'optimizer.learning_rate_scale': 1.0, 'optimizer.weight_decay': 0.1})
   optimizer = train.make_optimizer(config)
   zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
   updates, _ = optimizer.update(zeros, optimizer.init(params), params)
@@ -104,9 +113,9 @@ def test_bfloat16_step_keeps_float32_state_and_matches_float32():
   batch = random_batch(np.random.default_rng(5), 16, 24, 40)
   results = {}
   for dtype in ('float32', 'bfloat16'):
-    config = small_config(dtype=dtype)
+    config = small_config({'model.dtype': dtype})
     state, step_fn, batch_sharding = _setup(config, jax.devices()[:1])
-    state, metrics = step_fn(state, train.global_batch(batch, batch_sharding))
+    state, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
     results[dtype] = (jax.device_get(state), float(metrics['loss']) / float(metrics['tokens']))
   state16, loss16 = results['bfloat16']
   for leaf in jax.tree_util.tree_leaves((state16['params'], state16['opt_state'])):
@@ -141,12 +150,13 @@ def test_label_smoothed_loss_matches_explicit_smoothed_targets():
 
 
 def _setup(config, devices, vocab=40):
-  mesh = train.make_mesh(config, devices)
-  model = Transformer(train.model_config(config, vocab))
+  config.model.vocab_size = vocab
+  mesh = sharding.make_mesh(config.mesh_shape, devices)
+  model = Transformer(TransformerConfig(**config.model))
   optimizer = train.make_optimizer(config)
   init = jax.tree_util.Partial(train.init_train_state, model, optimizer)
   abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
-  shardings = train.state_shardings(abstract, mesh)
+  shardings = sharding.state_shardings(abstract, mesh)
   state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(0))
   step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
   return state, step_fn, batch_sharding
@@ -156,7 +166,7 @@ def _run_steps(config, devices, batches):
   state, step_fn, batch_sharding = _setup(config, devices)
   losses = []
   for batch in batches:
-    state, metrics = step_fn(state, train.global_batch(batch, batch_sharding))
+    state, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
     losses.append(float(metrics['loss']) / float(metrics['tokens']))
   return jax.device_get(state['params']), losses
 
@@ -167,8 +177,9 @@ def _assert_trees_close(a, b, atol):
 
 
 def test_loss_falls_near_zero_on_a_copy_task():
-  config = small_config(d_model=64, d_ff=128, num_heads=4, warmup_steps=50,
-                        learning_rate_scale=0.5, label_smoothing=0.0)
+  config = small_config({'model.d_model': 64, 'model.d_ff': 128, 'model.num_heads': 4,
+                         'optimizer.warmup_steps': 50, 'optimizer.learning_rate_scale': 0.5,
+                         'optimizer.label_smoothing': 0.0})
   state, step_fn, batch_sharding = _setup(config, jax.devices()[:1], vocab=16)
   rng = np.random.default_rng(0)
   positions = np.broadcast_to(np.arange(8, dtype=np.int32), (32, 8))
@@ -180,7 +191,7 @@ def test_loss_falls_near_zero_on_a_copy_task():
     batch = {'inputs': tokens, 'targets': tokens, 'inputs_segmentation': ones,
              'targets_segmentation': ones, 'inputs_positions': positions,
              'targets_positions': positions}
-    state, metrics = step_fn(state, train.global_batch(batch, batch_sharding))
+    state, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
     nll.append(float(metrics['nll']) / float(metrics['tokens']))
     accuracy.append(float(metrics['correct']) / float(metrics['tokens']))
   assert nll[0] > 2.0  # Starts near log(13): the task is not trivially solved.
@@ -194,9 +205,11 @@ def test_eight_devices_match_one_device(mesh_shape):
   rng = np.random.default_rng(1)
   batches = [random_batch(rng, 16, 24, 40) for _ in range(3)]
   # With dropout: its masks must not depend on how the batch is split over devices.
-  one_params, one_losses = _run_steps(small_config(dropout_rate=0.1), jax.devices()[:1], batches)
-  eight_params, eight_losses = _run_steps(small_config(dropout_rate=0.1, mesh_shape=mesh_shape),
-                                          jax.devices()[:8], batches)
+  one_params, one_losses = _run_steps(small_config({'model.dropout_rate': 0.1}),
+                                      jax.devices()[:1], batches)
+  eight_params, eight_losses = _run_steps(
+      small_config({'model.dropout_rate': 0.1, 'mesh_shape': mesh_shape}), jax.devices()[:8],
+      batches)
   np.testing.assert_allclose(one_losses, eight_losses, rtol=1e-5)
   # Adam divides each gradient entry by its own magnitude, so float32 reduction-order noise in
   # near-zero entries reaches ~1e-6 in the parameters; real updates here are ~1e-2.
@@ -210,7 +223,7 @@ def test_eight_devices_match_one_device(mesh_shape):
 
 
 def test_fsdp_shards_parameters():
-  config = small_config(mesh_shape='data:4,fsdp:2')
+  config = small_config({'mesh_shape': 'data:4,fsdp:2'})
   state, _, _ = _setup(config, jax.devices()[:8])
   specs = {str(x.sharding.spec) for x in jax.tree_util.tree_leaves(state['params'])}
   assert any('fsdp' in spec for spec in specs), specs
@@ -220,8 +233,8 @@ def test_gradient_accumulation_equals_one_big_batch():
   rng = np.random.default_rng(2)
   batches = [random_batch(rng, 16, 24, 40) for _ in range(3)]
   big_params, big_losses = _run_steps(small_config(), jax.devices()[:2], batches)
-  accum_params, accum_losses = _run_steps(small_config(grad_accum_steps=4), jax.devices()[:2],
-                                          batches)
+  accum_params, accum_losses = _run_steps(small_config({'optimizer.grad_accum_steps': 4}),
+                                          jax.devices()[:2], batches)
   np.testing.assert_allclose(big_losses, accum_losses, rtol=1e-5)
   # Parameters move by up to ~7e-2 here. Summing the gradient in four parts rounds
   # differently, and Adam scales an entry whose gradient is near zero up to a full-size step,
@@ -240,13 +253,43 @@ def test_nonfinite_update_is_skipped_and_counted():
   poisoned['params']['embed']['embedding'] = state['params']['embed']['embedding'].at[5].set(
       jnp.nan)
   batch['targets'][0, 0] = 5
-  new_state, metrics = step_fn(poisoned, train.global_batch(batch, batch_sharding))
+  new_state, metrics = step_fn(poisoned, sharding.from_host_rows(batch, batch_sharding))
   assert not bool(metrics['finite'])
   assert int(new_state['nonfinite_in_a_row']) == 1 and int(new_state['nonfinite_total']) == 1
   after = jax.device_get(new_state['params'])
   # Everything but the poisoned row is unchanged: the update was skipped.
   np.testing.assert_array_equal(np.delete(after['embed']['embedding'], 5, 0),
                                 np.delete(before['embed']['embedding'], 5, 0))
+
+
+def test_learning_rate_follows_the_step_through_skipped_updates():
+  """A skipped update still advances the schedule: the next update uses (and logs) the rate of
+  its own step. Before, optax's count stood still on a skip and the logged rate was not the
+  applied one."""
+  config = small_config()
+  state, step_fn, batch_sharding = _setup(config, jax.devices()[:1])
+  schedule = train.learning_rate_schedule(config)
+  batch = random_batch(np.random.default_rng(4), 16, 24, 40)
+  batch['targets'][0, 0] = 5
+  good_row = np.asarray(state['params']['embed']['embedding'][5])
+  state['params']['embed']['embedding'] = state['params']['embed']['embedding'].at[5].set(jnp.nan)
+  state, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
+  assert not bool(metrics['finite'])
+  assert int(train.schedule_count(state['opt_state'])) == int(state['step']) == 1
+  assert float(metrics['learning_rate']) == pytest.approx(float(schedule(0)))
+  state['params']['embed']['embedding'] = state['params']['embed']['embedding'].at[5].set(
+      good_row)
+  before = jax.device_get(state['params'])
+  state, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
+  assert bool(metrics['finite'])
+  learning_rate = float(metrics['learning_rate'])
+  assert learning_rate == pytest.approx(float(schedule(1)))
+  assert learning_rate == pytest.approx(2 * float(schedule(0)))  # Warm-up: rate ~ step.
+  # Adam's first real update moves each entry by about the learning rate (m / sqrt(v) = +-1).
+  moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
+      jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(jax.device_get(
+          state['params']))))
+  assert moved == pytest.approx(learning_rate, rel=1e-3)
 
 
 def test_nonfinite_streak_check_sees_streaks_that_ended_between_checks():
@@ -273,15 +316,19 @@ def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
 
 
 def test_bad_config_errors_before_compiling():
+  mesh = sharding.make_mesh('')
   with pytest.raises(train.ConfigError, match='divide over'):
-    train.validate_config(small_config(batch_size=12), train.make_mesh(small_config()))
-  with pytest.raises(train.ConfigError, match='mesh_shape'):
-    train.make_mesh(small_config(mesh_shape='data:3'))
+    train.validate_config(small_config({'data.batch_size': 12}), mesh)
+  with pytest.raises(sharding.MeshError, match='mesh_shape'):
+    sharding.make_mesh('data:3')
   with pytest.raises(train.ConfigError, match='dtype'):
-    train.validate_config(small_config(dtype='float16'), train.make_mesh(small_config()))
+    train.validate_config(small_config({'model.dtype': 'no_such_dtype'}), mesh)
+  with pytest.raises(train.ConfigError, match='num_heads'):
+    train.validate_config(small_config({'model.num_heads': 3}), mesh)
   with pytest.raises(train.ConfigError, match='learning_rate_scale'):
-    train.validate_config(small_config(learning_rate_scale=float('nan')),
-                          train.make_mesh(small_config()))
+    train.validate_config(small_config({'optimizer.learning_rate_scale': float('nan')}), mesh)
+  with pytest.raises(train.ConfigError, match='batch_size must be positive'):
+    train.validate_config(small_config({'data.batch_size': 0}), mesh)
 
 
 # --------------------------------------------------------------- full runs on real data
@@ -289,15 +336,14 @@ def test_bad_config_errors_before_compiling():
 
 def _final_params(workdir):
   params, _ = checkpoints.load_params(str(workdir))
-  return params
+  return jax.device_get(params)
 
 
 @needs_multi30k
 def test_resume_equals_uninterrupted_run(tmp_path):
-  config = small_config(dropout_rate=0.1, bleu_every_steps=1000)
-  config.num_train_steps = 16
-  config.checkpoint_every_steps = 4
-  config.eval_every_steps = 1000
+  config = small_config({'model.dropout_rate': 0.1, 'eval.bleu_every_steps': 1000,
+                         'num_train_steps': 16, 'checkpoint_every_steps': 4,
+                         'eval.every_steps': 1000})
   straight = tmp_path / 'straight'
   train.train_and_evaluate(config, str(straight))
   # Checkpoints at 4, 8, 12, 16; the config keeps the newest 3.
@@ -318,10 +364,8 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 @needs_multi30k
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, signum):
-  config = small_config(bleu_every_steps=1000)
-  config.num_train_steps = 100_000
-  config.eval_every_steps = 100_000
-  config.checkpoint_every_steps = 100_000
+  config = small_config({'eval.bleu_every_steps': 1000, 'num_train_steps': 100_000,
+                         'eval.every_steps': 100_000, 'checkpoint_every_steps': 100_000})
   metrics_file = tmp_path / 'metrics.jsonl'
   done = threading.Event()
 
@@ -344,10 +388,8 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, signum):
 
 @needs_multi30k
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
-  config = small_config(bleu_every_steps=1000)
-  config.num_train_steps = 8
-  config.checkpoint_every_steps = 4
-  config.eval_every_steps = 1000
+  config = small_config({'eval.bleu_every_steps': 1000, 'num_train_steps': 8,
+                         'checkpoint_every_steps': 4, 'eval.every_steps': 1000})
   train.train_and_evaluate(config, str(tmp_path))
   latest = tmp_path / 'checkpoints' / '8'
   assert latest.is_dir()
@@ -370,19 +412,17 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog)
 def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_path):
   # A learning rate of ~1e28 makes the first update blow the parameters up; every later step
   # then has a non-finite loss and is skipped, until the streak reaches the limit.
-  config = small_config(learning_rate_scale=1e30, max_consecutive_nonfinite=3,
-                        bleu_every_steps=1000)
-  config.num_train_steps = 40
-  config.log_every_steps = 5
-  config.checkpoint_every_steps = 2
-  config.eval_every_steps = 1000
+  config = small_config({'optimizer.learning_rate_scale': 1e30,
+                         'optimizer.max_consecutive_nonfinite': 3, 'eval.bleu_every_steps': 1000,
+                         'num_train_steps': 40, 'log_every_steps': 5, 'checkpoint_every_steps': 2,
+                         'eval.every_steps': 1000})
   with pytest.raises(FloatingPointError, match='consecutive steps had a non-finite') as error:
     train.train_and_evaluate(config, str(tmp_path))
   assert 'checkpoint' in str(error.value) and 'learning_rate_scale' in str(error.value)
   manager = checkpoints.make_manager(str(tmp_path), read_only=True)
   assert manager.latest_step() == 4  # Stopped at the first check (step 5), not at step 40.
   params, _ = checkpoints.load_params(str(tmp_path))
-  assert all(np.isfinite(x).all() for x in jax.tree_util.tree_leaves(params))
+  assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(params))
   meta = manager.restore(4, args=checkpoints.ocp.args.Composite(
       meta=checkpoints.ocp.args.JsonRestore()))['meta']
   assert meta['nonfinite_in_a_row'] == 3 and meta['nonfinite_total'] == 3
@@ -392,13 +432,11 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_
 def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog):
   import json
 
-  config = small_config(bleu_every_steps=4, num_eval_bleu_sentences=8)
-  config.num_train_steps = 8
-  config.log_every_steps = 2
-  config.eval_every_steps = 6
-  config.checkpoint_every_steps = 1000
+  config = small_config({'eval.bleu_every_steps': 4, 'eval.bleu_sentences': 8,
+                         'num_train_steps': 8, 'log_every_steps': 2, 'eval.every_steps': 6,
+                         'checkpoint_every_steps': 1000})
   with caplog.at_level('INFO'):
-    train.train_and_evaluate(config, str(tmp_path))
+    result = train.train_and_evaluate(config, str(tmp_path))
   records = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl', encoding='utf-8')]
   steps_with = lambda key: [r['step'] for r in records if key in r]
   assert steps_with('train_loss') == [2, 4, 6, 8]
@@ -409,6 +447,14 @@ def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog
   assert any(name.startswith('events.out.tfevents')
              for name in os.listdir(tmp_path / 'tensorboard'))
   assert 'First step (trace, compile, run)' in caplog.text and 'ETA' in caplog.text
+  # Two BLEU evaluations, one search program per source-length bucket: the second compiles
+  # nothing (a search rebuilt per call would trace every bucket again).
+  translator = result['translator']
+  buckets = {arrays['inputs'].shape for _, arrays in train.input_pipeline.length_batches(
+      {'inputs': translator.tokenizer.encode(
+          train.input_pipeline.read_split(config, 'val')[0][:8])},
+      config.decode.batch_tokens, config.model.max_len)}
+  assert translator.traces == len(buckets)
 
 
 @needs_multi30k
@@ -421,8 +467,8 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   overrides = ['--config.num_train_steps=400', '--config.checkpoint_every_steps=100',
-               '--config.eval_every_steps=1000', '--config.bleu_every_steps=1000',
-               '--config.dropout_rate=0.1']
+               '--config.eval.every_steps=1000', '--config.eval.bleu_every_steps=1000',
+               '--config.model.dropout_rate=0.1']
 
   def command(workdir):
     return [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir',

@@ -1,0 +1,173 @@
+"""A trained run, loaded and translating: shared by train.py (validation BLEU) and decode.py.
+
+`load_run` reads a workdir's config, tokenizer and model; `load_params` its parameters, straight
+into the layout of the devices at hand; `Translator` turns text into translations with a beam
+search that is compiled once per source-length bucket and reused for every later call; `score`
+gives sacreBLEU and chrF.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import sacrebleu
+from absl import logging
+from jax.sharding import Mesh
+
+import checkpoints
+import console
+import input_pipeline
+import sharding
+from configs import multi30k
+from model import Transformer, TransformerConfig, transformer_beam_search
+
+# config.json of runs written before the config had groups: old key -> (group, key).
+_LEGACY_KEYS = {
+    **{k: ('data', k) for k in (
+        'dataset_name', 'data_dir', 'manual_dir', 'source_lang', 'target_lang', 'train_split',
+        'eval_split', 'test_split', 'spm_sample_size', 'max_length', 'batch_size',
+        'shuffle_buffer')},
+    **{k: ('model', k) for k in (
+        'vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_encoder_layers', 'num_decoder_layers',
+        'dropout_rate', 'attention_dropout_rate', 'share_embeddings', 'pre_norm', 'positional',
+        'dtype')},
+    'model_max_len': ('model', 'max_len'),
+    **{k: ('optimizer', k) for k in (
+        'warmup_steps', 'learning_rate_scale', 'adam_b1', 'adam_b2', 'adam_eps', 'weight_decay',
+        'grad_clip_norm', 'label_smoothing', 'grad_accum_steps', 'max_consecutive_nonfinite')},
+    'eval_every_steps': ('eval', 'every_steps'),
+    'bleu_every_steps': ('eval', 'bleu_every_steps'),
+    'num_eval_bleu_sentences': ('eval', 'bleu_sentences'),
+    'beam_size': ('decode', 'beam_size'),
+    'length_penalty_alpha': ('decode', 'alpha'),
+    'max_decode_extra_length': ('decode', 'max_extra_length'),
+    'max_decode_length': ('decode', 'max_length'),
+    'eval_batch_tokens': ('decode', 'batch_tokens'),
+    **{k: (None, k) for k in (
+        'seed', 'num_train_steps', 'mesh_shape', 'checkpoint_every_steps', 'keep_checkpoints',
+        'average_last_checkpoints', 'log_every_steps')},
+}
+
+
+def upgrade_config(saved: dict[str, Any]) -> ml_collections.ConfigDict:
+  """A run's saved config as a ConfigDict; flat configs of older runs are mapped to groups."""
+  if 'model' in saved:
+    return ml_collections.ConfigDict(saved)
+  unknown = sorted(set(saved) - set(_LEGACY_KEYS))
+  if unknown:
+    raise ValueError(f'config.json has keys this version does not know: {unknown}. Write it '
+                     'again with the groups of configs/multi30k.py (data, model, optimizer, '
+                     'eval, decode).')
+  config = multi30k.get_config()
+  for key, value in saved.items():
+    group, name = _LEGACY_KEYS[key]
+    (config if group is None else config[group])[name] = value
+  return config
+
+
+def load_config(workdir: str) -> ml_collections.ConfigDict:
+  """WORKDIR/config.json, the config the run was trained with."""
+  path = os.path.join(workdir, 'config.json')
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f'{path} not found: --workdir must be a training workdir.')
+  with open(path, encoding='utf-8') as f:
+    return upgrade_config(json.load(f))
+
+
+def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, input_pipeline.Tokenizer,
+                                    Transformer]:
+  """The run's config, tokenizer and model: everything decoding needs but the parameters."""
+  config = load_config(workdir)
+  tokenizer = input_pipeline.load_tokenizer(os.path.join(workdir, 'tokenizer.model'))
+  return config, tokenizer, Transformer(TransformerConfig(**config.model))
+
+
+def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
+                average: int = 0) -> tuple[Any, str]:
+  """The run's parameters replicated over `mesh`, and where they came from (see checkpoints)."""
+  return checkpoints.load_params(workdir, checkpoint, average, sharding.replicated(mesh))
+
+
+class Translator:
+  """Beam-search translation of text, batched by length and split over a mesh's devices.
+
+  The jitted search is built once: every later call with a source-length bucket seen before
+  reuses its compiled program. Results are gathered to every process.
+  """
+
+  def __init__(self, model: Transformer, tokenizer: input_pipeline.Tokenizer,
+               decode_config: ml_collections.ConfigDict, mesh: Mesh, *,
+               beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
+               batch_tokens: int | None = None):
+    self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
+    self.beam_size = beam_size or decode_config.beam_size
+    self.alpha = decode_config.alpha if alpha is None else alpha
+    if not 1 <= nbest <= self.beam_size:
+      raise ValueError(f'nbest must be between 1 and the beam size {self.beam_size}, got {nbest}.')
+    self.nbest = nbest
+    self.batch_tokens = batch_tokens or decode_config.batch_tokens
+    self.max_extra_length = decode_config.max_extra_length
+    self.max_length = min(decode_config.max_length, model.config.max_len)
+    self.traces = 0  # How many times the search was traced (once per length bucket).
+    self._rows = sharding.rows(mesh)
+
+    def search(params, inputs, max_length):
+      self.traces += 1
+      return transformer_beam_search(
+          model, params, inputs, beam_size=self.beam_size, alpha=self.alpha,
+          max_length=max_length, max_extra_length=self.max_extra_length, nbest=nbest)
+
+    self._search = jax.jit(search, static_argnames='max_length',
+                           out_shardings=sharding.replicated(mesh))
+
+  def place(self, params: Any) -> Any:
+    """Parameters replicated over the mesh (do it once, not per call)."""
+    return jax.device_put(params, sharding.replicated(self.mesh))
+
+  def __call__(self, params: Any, sources: list[str],
+               progress: bool = False) -> list[str] | list[list[str]]:
+    """Translations of `sources`, in their order (nbest > 1: a list of nbest per source).
+
+    Empty sources give empty translations; sources longer than the model's maximum are
+    truncated with a warning.
+    """
+    token_ids = self.tokenizer.encode(sources)
+    outputs: list[Any] = [[''] * self.nbest for _ in sources]
+    nonempty = [i for i, text in enumerate(sources) if text.strip()]
+    batches = input_pipeline.length_batches(
+        {'inputs': [token_ids[i] for i in nonempty]}, self.batch_tokens,
+        self.model.config.max_len, row_multiple=self.mesh.devices.size)
+    start, done = time.time(), 0
+    for batch_index, (indices, arrays) in enumerate(batches):
+      ids, count = arrays['inputs'], len(indices)
+      inputs = sharding.from_host_copy(arrays, self._rows)['inputs']
+      max_length = min(ids.shape[1] + self.max_extra_length, self.max_length)
+      sequences, _ = jax.device_get(self._search(params, inputs, max_length))
+      for row, index in enumerate(indices):
+        outputs[nonempty[index]] = [self.tokenizer.decode(s) for s in sequences[row]]
+      done += count
+      if progress and (batch_index % 10 == 9 or batch_index == len(batches) - 1):
+        rate = done / (time.time() - start)
+        logging.info('translated %d/%d sentences | %.1f sentences/s | ETA %s', done,
+                     len(nonempty), rate, console.format_duration((len(nonempty) - done) / rate))
+    return [o[0] for o in outputs] if self.nbest == 1 else outputs
+
+
+def score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
+  """sacreBLEU (cased and lowercased, 13a) and chrF of detokenized text, with signatures."""
+  if len(hypotheses) != len(references):
+    raise ValueError(f'{len(hypotheses)} translations but {len(references)} references.')
+  bleu, bleu_lower, chrf = (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
+                            sacrebleu.metrics.CHRF())
+  return {
+      'bleu': bleu.corpus_score(hypotheses, [references]).score,
+      'bleu_lowercase': bleu_lower.corpus_score(hypotheses, [references]).score,
+      'chrf': chrf.corpus_score(hypotheses, [references]).score,
+      'bleu_signature': str(bleu.get_signature()),
+      'chrf_signature': str(chrf.get_signature()),
+  }
