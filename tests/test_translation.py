@@ -1,0 +1,72 @@
+"""translation.py: runs written by earlier versions, the Translator's compiled search, scores."""
+
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import model as model_lib
+import sharding
+import translation
+from configs import multi30k
+
+# A tiny run (20k parameters, 10 steps) written by the code before configs had groups: its
+# flat config.json, tokenizer, checkpoint, the logits its model gave for one sentence pair and
+# its beam-search translations of three sentences.
+LEGACY_RUN = pathlib.Path(__file__).parent / 'data' / 'legacy_run'
+LEGACY_SOURCES = ['A man rides a bike down the street.', 'Two dogs play in the snow.',
+                  'A woman is reading a book in a park.']
+
+
+def test_flat_config_of_an_older_run_maps_to_the_groups():
+  saved = json.loads((LEGACY_RUN / 'config.json').read_text(encoding='utf-8'))
+  assert 'model' not in saved and 'model_max_len' in saved
+  config = translation.upgrade_config(saved)
+  assert config.model.max_len == saved['model_max_len'] == 128
+  assert config.model.vocab_size == saved['vocab_size']
+  assert config.data.max_length == saved['max_length']
+  assert config.decode.max_length == saved['max_decode_length']
+  assert config.decode.alpha == saved['length_penalty_alpha']
+  assert config.eval.bleu_sentences == saved['num_eval_bleu_sentences']
+  assert config.optimizer.learning_rate_scale == saved['learning_rate_scale']
+  # Fields the old config did not have take today's defaults.
+  assert config.model.activation == multi30k.get_config().model.activation
+  with pytest.raises(ValueError, match='no_such_key'):
+    translation.upgrade_config({**saved, 'no_such_key': 1})
+
+
+def test_an_older_run_gives_the_same_logits_and_translations():
+  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  mesh = sharding.make_mesh()
+  params, origin = translation.load_params(str(LEGACY_RUN), mesh)
+  assert origin == 'step 10'
+  expected = np.load(LEGACY_RUN / 'legacy_logits.npz')
+  logits = model.apply({'params': params}, jnp.asarray(expected['inputs']),
+                       jnp.asarray(expected['targets']))
+  np.testing.assert_allclose(logits, expected['logits'], atol=1e-5, rtol=1e-5)
+  translator = translation.Translator(model, tokenizer, config.decode, mesh)
+  hypotheses = (LEGACY_RUN / 'legacy_hyp.txt').read_text(encoding='utf-8').split('\n')[:-1]
+  assert translator(params, LEGACY_SOURCES) == hypotheses
+
+
+def test_translator_compiles_once_per_length_bucket_and_checks_nbest():
+  config = multi30k.get_config()
+  config.model.update(vocab_size=400, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
+                      num_decoder_layers=1)
+  transformer = model_lib.Transformer(model_lib.TransformerConfig(**config.model))
+  _, tokenizer, _ = translation.load_run(str(LEGACY_RUN))  # Any 400-piece tokenizer.
+  dummy = jnp.ones((1, 4), jnp.int32)
+  params = transformer.init(jax.random.key(0), dummy, dummy)['params']
+  translator = translation.Translator(transformer, tokenizer, config.decode,
+                                      sharding.make_mesh(), batch_tokens=16)
+  params = translator.place(params)
+  sources = ['A dog.', 'Two men are walking along a long sandy beach at sunset today.', '']
+  first = translator(params, sources)
+  traces = translator.traces
+  assert traces == 2 and first[2] == ''  # Two length buckets; the empty line stays empty.
+  assert translator(params, sources) == first and translator.traces == traces
+  with pytest.raises(ValueError, match='nbest'):
+    translation.Translator(transformer, tokenizer, config.decode, sharding.make_mesh(), nbest=5)
