@@ -13,8 +13,10 @@ import os
 from absl import flags, logging
 
 PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
-# TensorFlow's C++ start-up notices (the input pipeline imports it after this module).
+# TensorFlow's C++ start-up notices (the input pipeline imports it after this module). TF
+# only reads and batches text here, so its oneDNN math kernels, whose notice this is, are unused.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
+os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
 class _ProjectInfoOnly(std_logging.Filter):
@@ -37,6 +39,10 @@ def quiet_libraries() -> None:
   handler = logging.get_absl_handler()
   if _FILTER not in handler.filters:
     handler.addFilter(_FILTER)
+  if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
+    import tensorflow_datasets as tfds  # Its progress bars: the pipeline logs its own lines.
+
+    tfds.disable_progress_bar()
 
 
 def format_duration(seconds: float) -> str:

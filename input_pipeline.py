@@ -261,6 +261,9 @@ def read_split(config, split: str) -> tuple[list[str], list[str]]:
     if lang not in langs:
       raise DataError(f'Language {lang!r} not in {config.dataset_name!r} (has {langs}); '
                       'check config.data.source_lang / config.data.target_lang.')
+  if not builder.is_prepared():
+    logging.info('Preparing %s in %s (once; later runs read it from there).',
+                 config.dataset_name, builder.data_dir)
   builder.download_and_prepare()
   if split not in builder.info.splits:
     raise MissingDataError(f'Split {split!r} not in {config.dataset_name!r}; available: '
@@ -440,7 +443,7 @@ class TrainIterator:
   windows of `window` pairs, rows shuffled; the last global batch is topped up with
   all-padding rows so every pair appears exactly once per epoch. Every process packs
   the same global rows and takes its own contiguous slice of each global batch.
-  Resuming packs the state's epoch again (~0.5 s for Multi30k); no batches are replayed.
+  Resuming packs the state's epoch again; no batches are replayed.
   """
 
   def __init__(self, src_ids: Sequence[np.ndarray], tgt_ids: Sequence[np.ndarray], *,

@@ -420,7 +420,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       f.write(config.to_json_best_effort(indent=2))
-  logging.info('Config:\n%s', config)
+  logging.info('Config written to %s (--verbosity=1 also logs it).',
+               os.path.join(workdir, 'config.json'))
+  logging.debug('Config:\n%s', config)
 
   # Data, model, optimizer; the state from the newest checkpoint or fresh.
   tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir)

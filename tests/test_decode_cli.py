@@ -114,3 +114,27 @@ def test_checkpoint_averaging(workdir):
   differs = any(not np.array_equal(a, b) for a, b in zip(
       *(jax.tree_util.tree_leaves(t) for t in by_step)))
   assert differs  # Averaging two different checkpoints is not trivially the identity.
+
+
+@pytest.mark.parametrize('flag, message', [
+    ('--beam_size=0', 'beam_size'), ('--beam_size=-2', 'beam_size'), ('--nbest=0', 'nbest'),
+    ('--batch_tokens=0', 'batch_tokens')])
+def test_bad_decode_flags_fail_in_one_line_before_any_work(tmp_path, flag, message):
+  """Before: --beam_size 0 silently became the run's beam, -2 and --nbest 0 gave tracebacks."""
+  result = run_decode('--workdir', str(tmp_path), '--input', '-', flag, stdin=b'A dog.\n')
+  stderr = result.stderr.decode()
+  assert result.returncode != 0 and message in stderr and 'Traceback' not in stderr, stderr
+
+
+def test_output_in_a_missing_folder_fails_before_translating(workdir, tmp_path):
+  result = run_decode('--workdir', workdir, '--input', '-', '--output',
+                      str(tmp_path / 'no' / 'such' / 'hyp.txt'), stdin=b'A dog.\n')
+  stderr = result.stderr.decode()
+  assert result.returncode != 0 and 'does not exist' in stderr and 'Translating' not in stderr
+
+
+def test_nbest_above_the_beam_is_one_clear_error(workdir):
+  result = run_decode('--workdir', workdir, '--input', '-', '--beam_size=2', '--nbest=3',
+                      stdin=b'A dog.\n')
+  stderr = result.stderr.decode()
+  assert result.returncode != 0 and 'nbest' in stderr and 'Traceback' not in stderr, stderr

@@ -1,0 +1,51 @@
+"""What a run prints: the project's own lines by default, library INFO lines on request."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+from absl import flags
+
+import console
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MULTI30K = os.environ.get('MULTI30K_DIR', '')
+
+
+def record(path: str, level: int) -> logging.LogRecord:
+  return logging.LogRecord('absl', level, path, 1, 'message', None, None)
+
+
+def test_library_info_is_dropped_unless_verbose(monkeypatch):
+  library = os.path.join(REPO, '.venv', 'lib', 'python3.11', 'site-packages', 'orbax', 'x.py')
+  other = '/usr/lib/python3/dist-packages/tensorflow_datasets/core.py'
+  project = os.path.join(REPO, 'train.py')
+  keep = console._FILTER.filter
+  assert keep(record(project, logging.INFO))
+  assert not keep(record(library, logging.INFO)) and not keep(record(other, logging.INFO))
+  assert keep(record(library, logging.WARNING)) and keep(record(other, logging.ERROR))
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  monkeypatch.setattr(flags.FLAGS, 'verbosity', 1)
+  assert keep(record(library, logging.INFO)) and keep(record(other, logging.DEBUG))
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
+                    reason='needs the Multi30k files: set MULTI30K_DIR')
+def test_a_training_run_prints_its_own_lines(tmp_path):
+  """Before: 322 of the default run's ~450 lines were orbax internals."""
+  result = subprocess.run(
+      [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
+       '--config.num_train_steps=10'], cwd=REPO, capture_output=True, text=True, timeout=600,
+      env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = result.stderr.splitlines()
+  info = [line for line in lines if line.startswith('I')]
+  assert info and all(any(f' {name}:' in line for name in (
+      'train.py', 'input_pipeline.py', 'checkpoints.py', 'translation.py')) for line in info), (
+          '\n'.join(info))
+  assert any('ETA' in line for line in info) and any('Saving checkpoint' in line for line in info)
+  assert any('Done: step 10' in line for line in info)
+  assert len(lines) < 40, '\n'.join(lines)
