@@ -54,14 +54,56 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state
   logging.info('Saving checkpoint at step %d.', step)
 
 
+class CheckpointMismatchError(ValueError):
+  """Readable checkpoints whose parameters do not fit the model being trained."""
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in flat}
+
+
+def parameter_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
+  """What differs between two parameter trees' names and shapes (empty: they fit)."""
+  saved, wanted = _shapes(saved), _shapes(wanted)
+  differences = [f'{k}: saved {saved[k]}, model {wanted[k]}'
+                 for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
+  differences += [f'{k}: only in the checkpoint' for k in sorted(saved.keys() - wanted.keys())]
+  differences += [f'{k}: only in the model' for k in sorted(wanted.keys() - saved.keys())]
+  return differences[:limit] + ([f'... {len(differences) - limit} more'] if
+                                len(differences) > limit else [])
+
+
+def _saved_params(manager: ocp.CheckpointManager, step: int) -> Any:
+  """The params item's tree of array metadata (shape, dtype) of checkpoint `step`."""
+  path = os.path.join(str(manager.directory), str(step), 'params')
+  tree = ocp.StandardCheckpointer().metadata(path).item_metadata
+  return getattr(tree, 'tree', tree)
+
+
 def restore_latest(manager: ocp.CheckpointManager, abstract_params: Any,
                    abstract_optimizer_state: Any) -> tuple[Any, Any, dict[str, Any]] | None:
   """Restores the newest readable checkpoint into the given shapes and shardings.
 
   Returns (params, optimizer_state, meta), or None when there is no checkpoint. A checkpoint
-  that fails to restore is reported and the next older one is tried.
+  that fails to restore is reported, set aside, and the next older one is tried; readable
+  checkpoints whose parameters do not fit `abstract_params` (another model config) raise
+  CheckpointMismatchError and nothing is set aside.
   """
   for step in sorted(manager.all_steps(), reverse=True):
+    try:
+      saved = _saved_params(manager, step)
+      if not _shapes(saved):
+        raise ValueError('its params metadata lists no arrays')
+    except Exception as error:  # noqa: BLE001 - unreadable metadata is damage.
+      _set_aside(manager, step, f'{type(error).__name__}: {str(error)[:300]}')
+      continue
+    differences = parameter_differences(saved, abstract_params)
+    if differences:
+      raise CheckpointMismatchError(
+          f'The checkpoints in {manager.directory} (newest: step {step}) do not fit this '
+          f'config\'s model: {"; ".join(differences)}. Nothing was changed. Train with the '
+          'config the run was made with (its config.json), or start a new --workdir.')
     try:
       restored = manager.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(abstract_params),

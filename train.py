@@ -580,7 +580,7 @@ def main(argv):
   try:
     train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (ConfigError, sharding.MeshError, input_pipeline.DataError, FileNotFoundError,
-          FloatingPointError) as error:
+          FloatingPointError, checkpoints.CheckpointMismatchError) as error:
     logging.error('%s', error)
     sys.exit(f'error: {error}')
 

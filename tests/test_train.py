@@ -489,3 +489,17 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
   assert not (killed / 'checkpoints' / '400').is_dir(), 'the run ended before the kill'
   subprocess.run(command(killed), cwd=repo, check=True, capture_output=True, timeout=1200)
   _assert_trees_close(_final_params(straight), _final_params(killed), atol=1e-6)
+
+
+@needs_multi30k
+def test_resume_with_another_model_config_stops_clearly_and_sets_nothing_aside(tmp_path):
+  """Before: a shape mismatch counted as damage; every checkpoint was renamed N.damaged and
+  training restarted from step 0."""
+  config = small_config({'eval.bleu_every_steps': 1000, 'num_train_steps': 4,
+                         'checkpoint_every_steps': 2, 'eval.every_steps': 1000})
+  train.train_and_evaluate(config, str(tmp_path))
+  config.model.d_model = 48
+  config.num_train_steps = 6
+  with pytest.raises(checkpoints.CheckpointMismatchError, match=r'saved \(32,\), model \(48,\)'):
+    train.train_and_evaluate(config, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / 'checkpoints')) == ['2', '4']
