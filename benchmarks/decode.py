@@ -1,6 +1,6 @@
 """Decoding speed: beam search and greedy search on a random model, against the matmul peak.
 
-    python -m benchmarks.decode [--json out.json] [--repeats 3] [--cache-chunk 8]
+    python -m benchmarks.decode [--json out.json] [--repeats 3] [--cpu-tuned auto|on|off]
 
 Vocabulary 8000, d_model 256, d_ff 1024, 4 heads, 3+3 layers, float32, random weights;
 32 source sentences of 24 tokens; beam 4, alpha 0.6; 39 decoding steps with
@@ -20,7 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import Transformer, TransformerConfig, beam_search, greedy_search
+from model import (
+    Transformer,
+    TransformerConfig,
+    transformer_beam_search,
+    transformer_greedy_search,
+)
 
 PEER_SENTENCES_PER_S = 27.5
 PEER_PEAK_GFLOPS = 204.0
@@ -54,29 +59,32 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--json', help='also write the results to this file')
   parser.add_argument('--repeats', type=int, default=3)
-  parser.add_argument('--cache-chunk', type=int, default=8, help='0: one loop, whole cache')
+  parser.add_argument('--cpu-tuned', choices=('auto', 'on', 'off'), default='auto',
+                      help="TransformerConfig.cpu_tuned (auto: on when the backend is 'cpu')")
   args = parser.parse_args()
 
+  cpu_tuned = {'auto': None, 'on': True, 'off': False}[args.cpu_tuned]
   config = TransformerConfig(vocab_size=8000, d_model=256, d_ff=1024, num_heads=4,
-                             num_encoder_layers=3, num_decoder_layers=3, dropout_rate=0.0)
+                             num_encoder_layers=3, num_decoder_layers=3, dropout_rate=0.0,
+                             cpu_tuned=cpu_tuned)
   model = Transformer(config)
   dummy = jnp.ones((1, 4), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(0), dummy, dummy)['params']
   inputs = jnp.asarray(np.random.default_rng(0).integers(
       3, config.vocab_size, size=(BATCH, SOURCE_LEN)), jnp.int32)
-  settings = dict(max_decode_len=STEPS, force_full_length=True,
-                  cache_chunk=args.cache_chunk or None)
+  settings = dict(max_length=STEPS, force_full_length=True)
 
   peak = matmul_peak_gflops()
-  beam = measure(jax.jit(functools.partial(beam_search, model, beam_size=BEAM, alpha=ALPHA,
-                                           **settings)), (params, inputs), args.repeats)
-  greedy = measure(jax.jit(functools.partial(greedy_search, model, **settings)),
+  beam = measure(jax.jit(functools.partial(transformer_beam_search, model, beam_size=BEAM,
+                                           alpha=ALPHA, **settings)), (params, inputs),
+                 args.repeats)
+  greedy = measure(jax.jit(functools.partial(transformer_greedy_search, model, **settings)),
                    (params, inputs), args.repeats)
   peak = max(peak, matmul_peak_gflops())  # Again after decoding: the machine is shared.
   results = {
       'setup': dict(vocab=8000, d_model=256, d_ff=1024, heads=4, layers='3+3', dtype='float32',
                     batch=BATCH, source_len=SOURCE_LEN, steps=STEPS, beam=BEAM, alpha=ALPHA,
-                    cache_chunk=args.cache_chunk, backend=jax.default_backend()),
+                    cpu_tuned=config.use_cpu_tuned, backend=jax.default_backend()),
       'matmul_peak_gflops': peak,
       'beam': beam,
       'greedy': greedy,

@@ -1,24 +1,29 @@
-"""Beam search, greedy search and sampling for `Transformer`, jittable end to end.
+"""Beam search, greedy search and sampling for any autoregressive model, jittable end to end.
 
-All three loop (`lax.while_loop`, static shapes) over `Transformer.decode_step`. The source is
-encoded, and its cross-attention keys/values projected, once per sentence; each step feeds only
-the newest token of every hypothesis through the decoder cache, which beam search never
-reorders; the loop stops as soon as every sentence is done. The loop runs in chunks whose
-self-attention cache covers only the steps so far (`cache_chunk`).
+A model enters through a step function and its cache:
+
+    step_fn(tokens [batch, width] int32, step scalar int32, cache) -> (log_probs, cache)
+
+`tokens` are the tokens at position `step` (0, the start symbol, at step 0), `log_probs`
+[batch, width, vocab] float32 the log-softmax of the next token over the whole vocabulary
+(padding included in the normaliser), and `cache` any pytree the model carries between steps.
+Each search loops (`lax.while_loop`, static shapes) and stops as soon as every sentence is
+done. `transformer_beam_search`, `transformer_greedy_search` and `transformer_sample` run them
+on a `Transformer`.
 
 Semantics shared by all searches:
   * An output is a sequence of tokens ending in EOS (1), followed by 0 padding. Its length
     counts the EOS.
-  * Sentence i may produce at most `limit_i = min(source_length_i + max_extra_length,
-    max_decode_len)` tokens (the paper's "input length + 50"); at position `limit_i` EOS is the
-    only choice, so every output ends in EOS. Padding (0) is never produced.
-  * Log-probabilities are the model's log-softmax over the whole vocabulary (padding included
-    in the normaliser, then forbidden), so a returned score can be recomputed with a
-    teacher-forced `Transformer.__call__` on the returned sequence.
+  * Sentence i may produce at most `length_limits[i]` tokens (at most `max_length`, the static
+    buffer length; for the Transformer, min(source_length_i + max_extra_length, max_length),
+    the paper's "input length + 50"); at position `limit_i` EOS is the only choice, so every
+    output ends in EOS. Padding (0) is never produced.
+  * Scores are sums of the step function's log-probabilities, so a returned score can be
+    recomputed with a teacher-forced pass over the returned sequence.
   * `force_full_length` (for benchmarks) forbids EOS before `limit_i`, so every step runs.
 
-Jit with the model and the static settings bound, e.g.
-`jax.jit(functools.partial(beam_search, model, beam_size=4))(params, inputs)`.
+Optional hooks let a model tune the loop (the Transformer's CPU variant uses them, see
+`cpu_decoding`): `reorder_cache`, `top_k_extensions`, and `chunk_length` with `grow_cache`.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from model import cpu_decoding
 from model.transformer import EOS_ID, PAD_ID, Transformer
 
 Array = jax.Array
+StepFn = Callable[[Array, Array, Any], tuple[Array, Any]]
 NEG_INF = -jnp.inf
 
 
@@ -40,87 +47,31 @@ def length_penalty(length: Array, alpha: float) -> Array:
   return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
-def _buffer_length(model: Transformer, inputs: Array, max_decode_len: int | None,
-                   max_extra_length: int) -> int:
-  """Static output buffer length: max_decode_len, or source width + max_extra_length capped
-  by the model's maximum length."""
-  if max_decode_len is None:
-    max_decode_len = min(inputs.shape[1] + max_extra_length, model.config.max_len)
-  return max_decode_len
+def gather_beams(x: Array, indices: Array) -> Array:
+  """x [batch, beam, ...], indices [batch, n] -> [batch, n, ...]."""
+  indices = indices.reshape(indices.shape + (1,) * (x.ndim - 2))
+  return jnp.take_along_axis(x, indices, axis=1)
 
 
-def _length_limits(inputs: Array, max_decode_len: int, max_extra_length: int) -> Array:
-  """Per sentence maximum output length (EOS included): [batch] int32."""
-  source_lengths = jnp.sum(inputs != PAD_ID, axis=1, dtype=jnp.int32)
-  return jnp.minimum(source_lengths + max_extra_length, max_decode_len)
+def reorder_every_leaf(cache: Any, parents: Array) -> Any:
+  """The default `reorder_cache`: every cache leaf is [batch, beam, ...] and follows `parents`."""
+  return jax.tree_util.tree_map(lambda leaf: gather_beams(leaf, parents), cache)
 
 
-# The loops carry the cross-attention keys/values as [batch, heads, head_dim, src_len], the
-# layout XLA's attention dot product wants: the transpose back in `_decode_step` cancels against
-# the one XLA inserts inside decode_step, instead of copying them at every step.
-_CARRIED = (0, 2, 3, 1)  # [batch, src_len, heads, head_dim] -> carried.
-_UNCARRIED = (0, 3, 1, 2)  # And back.
-_CROSS = ('cross_keys', 'cross_values')
+def top_k_extensions(log_probs: Array, hypothesis_log_probs: Array, allowed: Array,
+                     k: int) -> tuple[Array, Array]:
+  """The k best extensions of all hypotheses of each sentence.
 
-
-def _transpose_cross(cache: dict[str, Any], axes: tuple[int, ...]) -> dict[str, Any]:
-  """The cache with every layer's cross-attention keys/values transposed by `axes`."""
-  layers = [{k: jnp.transpose(v, axes) if k in _CROSS else v for k, v in layer.items()}
-            for layer in cache['layers']]
-  return {**cache, 'layers': layers}
-
-
-def _start(model: Transformer, params: Any, inputs: Array, width: int,
-           max_decode_len: int) -> dict[str, Any]:
-  """Encodes the source and builds the (carried) cache for `width` hypotheses per sentence."""
-  variables = {'params': params}
-  encoded = model.apply(variables, inputs, method='encode')
-  cache = model.apply(variables, encoded, inputs, width, max_decode_len,
-                      method='init_decode_cache')
-  # The barrier stops XLA from sinking the transpose back into the loop body.
-  return jax.lax.optimization_barrier(_transpose_cross(cache, _CARRIED))
-
-
-def _decode_step(model: Transformer, params: Any, tokens: Array, step: Array,
-                 cache: dict[str, Any], slots: Array | None) -> tuple[Array, dict[str, Any]]:
-  """`Transformer.decode_step` on the carried cache: logits [batch, width, vocab], cache."""
-  logits, new_cache = model.apply({'params': params}, tokens, step,
-                                  _transpose_cross(cache, _UNCARRIED), slots,
-                                  method='decode_step')
-  layers = [{**new, **{k: old[k] for k in _CROSS}}
-            for new, old in zip(new_cache['layers'], cache['layers'])]
-  return logits, {**new_cache, 'layers': layers}
-
-
-def _chunk_ends(length: int, chunk: int | None) -> list[int]:
-  """Static cache lengths of the successive decoding loops: chunk, 2 * chunk, ..., length."""
-  if not chunk or chunk >= length:
-    return [length]
-  return list(range(chunk, length, chunk)) + [length]
-
-
-def _grow_cache(cache: dict[str, Any], length: int, width: int) -> dict[str, Any]:
-  """Pads the self-attention cache ([batch, heads, head_dim, len * width]) to `length` steps."""
-  def grow(layer):
-    pad = lambda t: jnp.pad(t, [(0, 0)] * 3 + [(0, length * width - t.shape[3])])
-    return {**layer, 'self_keys': pad(layer['self_keys']),
-            'self_values': pad(layer['self_values'])}
-  return {**cache, 'layers': [grow(layer) for layer in cache['layers']]}
-
-
-def _chunked_while_loop(cond: Callable, body_for: Callable, state: dict[str, Any],
-                        ends: list[int]) -> dict[str, Any]:
-  """`lax.while_loop(cond, body, state)` in pieces whose cache holds just the steps so far.
-
-  Step t attends over the cache's whole (masked) length, so the loop for steps
-  [ends[i-1], ends[i]) runs on a cache of ends[i] steps, grown between loops: early steps
-  skip most of the attention work. `body_for(length)` is the body for a cache of `length`.
+  Args:
+    log_probs: [batch, beam, vocab] float32, the next token's log-probabilities.
+    hypothesis_log_probs: [batch, beam] float32, -inf for no hypothesis.
+    allowed: [batch, 1, vocab] bool, the tokens the rules allow.
+    k: how many extensions.
+  Returns:
+    scores [batch, k] (best first) and flat indices [batch, k] into [beam, vocab].
   """
-  width = state['tokens'].shape[1]
-  for end in ends:
-    state = {**state, 'cache': _grow_cache(state['cache'], end, width)}
-    state = jax.lax.while_loop(lambda s: cond(s) & (s['step'] < end), body_for(end), state)
-  return state
+  scores = hypothesis_log_probs[:, :, None] + jnp.where(allowed, log_probs, NEG_INF)
+  return jax.lax.top_k(scores.reshape(scores.shape[0], -1), k)
 
 
 def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: bool) -> Array:
@@ -133,89 +84,10 @@ def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: b
   return jnp.where(last, ids == EOS_ID, allowed)
 
 
-def _next_log_probs(logits: Array, step: Array, limits: Array,
-                    force_full_length: bool) -> Array:
-  """Log-probabilities of the next token with the decoding rules applied (forbidden: -inf).
-
-  Args:
-    logits: [batch, width, vocab] float32 for the token at position `step`.
-    step: scalar int, 0-based output position being chosen.
-    limits: [batch] int, maximum output length per sentence.
-  Returns:
-    [batch, width, vocab] float32.
-  """
-  allowed = _allowed_tokens(logits.shape[-1], step, limits, force_full_length)
-  return jnp.where(allowed, jax.nn.log_softmax(logits, axis=-1), NEG_INF)
-
-
-_BLOCK = 128  # `_best_extensions` block when no divisor of the vocabulary fits.
-
-
-def _block_size(vocab: int) -> int:
-  """The largest divisor of `vocab` in [64, 256] (blocks then need no padding copy), or _BLOCK."""
-  return next((b for b in range(256, 63, -1) if vocab % b == 0), _BLOCK)
-
-
-def _best_extensions(logits: Array, hypothesis_log_probs: Array, step: Array, limits: Array,
-                     force_full_length: bool, k: int) -> tuple[Array, Array]:
-  """`lax.top_k` of every extension's score, without scoring or sorting every extension.
-
-  Equal, ties and all, to `top_k((hypothesis_log_probs[..., None] + _next_log_probs(logits,
-  ...)).reshape(batch, -1), k)`. XLA:CPU's top_k over 4 x 8000 scores per sentence took 1.1 ms
-  of a 10 ms beam-search step, and scoring them another 0.7 ms. Instead: the maximum of each
-  vocabulary block of each hypothesis (one cheap reduction); the k best blocks by the score of
-  their maximum, which hold the k best extensions (a block holding one of them has a maximum
-  that fewer than k extensions beat, each in its own block); top_k over those k blocks only.
-  A score rounds monotonically in its logit, so a block's best score is its maximum's score.
-
-  Args:
-    logits: [batch, beam, vocab] float32.
-    hypothesis_log_probs: [batch, beam] float32, -inf for no hypothesis.
-    step, limits, force_full_length: as for `_next_log_probs`.
-    k: how many extensions.
-  Returns:
-    scores [batch, k] (best first) and flat indices [batch, k] into [beam, vocab].
-  """
-  batch, beam, vocab = logits.shape
-  size = _block_size(vocab)
-  if k * size >= beam * vocab:  # Small vocabularies: the blocks would be all of it.
-    scores = hypothesis_log_probs[:, :, None] + _next_log_probs(logits, step, limits,
-                                                                 force_full_length)
-    return jax.lax.top_k(scores.reshape(batch, beam * vocab), k)
-  blocks = -(-vocab // size)
-  allowed = _allowed_tokens(vocab, step, limits, force_full_length)  # [batch, 1, vocab]
-  masked = jnp.where(allowed, logits, NEG_INF)
-  if blocks * size > vocab:  # Costs a copy of the logits: only when no divisor fits.
-    masked = jnp.pad(masked, [(0, 0), (0, 0), (0, blocks * size - vocab)],
-                     constant_values=NEG_INF)
-  masked = masked.reshape(batch, beam * blocks, size)
-  # jax.nn.log_softmax's own arithmetic, so selected scores are bit-identical to it.
-  row_max = jnp.max(logits, axis=-1)  # [batch, beam]
-  shifted_log_sum = jnp.log(jnp.sum(jnp.exp(logits - row_max[..., None]), axis=-1))
-
-  def score(x: Array, rows: Array) -> Array:  # x [batch, n, ...] of hypotheses rows [batch, n].
-    take = lambda t: jnp.take_along_axis(t, rows, axis=1).reshape(
-        rows.shape + (1,) * (x.ndim - 2))
-    return take(hypothesis_log_probs) + ((x - take(row_max)) - take(shifted_log_sum))
-
-  block_rows = jnp.broadcast_to(jnp.arange(beam * blocks) // blocks, (batch, beam * blocks))
-  _, best_blocks = jax.lax.top_k(score(jnp.max(masked, axis=-1), block_rows), k)
-  # In index order, so that top_k breaks ties between blocks as it would on all the scores.
-  best_blocks = jnp.sort(best_blocks, axis=1)
-  candidates = score(jnp.take_along_axis(masked, best_blocks[..., None], axis=1),
-                     best_blocks // blocks)  # [batch, k, size]
-  scores, position = jax.lax.top_k(candidates.reshape(batch, k * size), k)
-  block = jnp.take_along_axis(best_blocks, position // size, axis=1)
-  # A padding entry (-inf) is only chosen when fewer than k extensions are allowed; any
-  # -inf pick is as good as another, so clamp it into the vocabulary.
-  token = jnp.minimum((block % blocks) * size + position % size, vocab - 1)
-  return scores, (block // blocks) * vocab + token
-
-
-def _gather_beams(x: Array, indices: Array) -> Array:
-  """x [batch, beam, ...], indices [batch, n] -> [batch, n, ...]."""
-  indices = indices.reshape(indices.shape + (1,) * (x.ndim - 2))
-  return jnp.take_along_axis(x, indices, axis=1)
+def _limits(length_limits: Array | None, batch_size: int, max_length: int) -> Array:
+  if length_limits is None:
+    return jnp.full((batch_size,), max_length, jnp.int32)
+  return jnp.minimum(jnp.asarray(length_limits, jnp.int32), max_length)
 
 
 def _set_position(x: Array, step: Array, values: Array) -> Array:
@@ -223,10 +95,27 @@ def _set_position(x: Array, step: Array, values: Array) -> Array:
   return jnp.where(jnp.arange(x.shape[-1]) == step, values[:, :, None], x)
 
 
-def beam_search(model: Transformer, params: Any, inputs: Array, *, beam_size: int = 4,
-                alpha: float = 0.6, max_decode_len: int | None = None,
-                max_extra_length: int = 50, nbest: int = 1, force_full_length: bool = False,
-                cache_chunk: int | None = 8) -> tuple[Array, Array]:
+def _while_loop(cond: Callable, body: Callable, state: dict[str, Any], max_length: int,
+                chunk_length: int | None, grow_cache: Callable | None) -> dict[str, Any]:
+  """`lax.while_loop(cond, body, state)`, or with `grow_cache` in pieces of `chunk_length`
+  steps: before the piece that ends at step e, grow_cache(cache, e) makes the cache hold e
+  steps (the step function then runs on caches of several lengths)."""
+  if grow_cache is None:
+    return jax.lax.while_loop(cond, body, state)
+  chunk = chunk_length or max_length
+  for end in [*range(chunk, max_length, chunk), max_length]:
+    state = {**state, 'cache': grow_cache(state['cache'], end)}
+    state = jax.lax.while_loop(lambda s, end=end: cond(s) & (s['step'] < end), body, state)
+  return state
+
+
+def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
+                max_length: int, length_limits: Array | None = None, alpha: float = 0.6,
+                nbest: int = 1, force_full_length: bool = False,
+                reorder_cache: Callable[[Any, Array], Any] | None = None,
+                top_k_extensions: Callable[..., tuple[Array, Array]] = top_k_extensions,
+                chunk_length: int | None = None,
+                grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
   """Beam search with the GNMT length penalty, finished hypotheses kept apart from live ones.
 
   A hypothesis' score is sum(log-probs) / length_penalty(length, alpha). Each step takes the
@@ -237,55 +126,49 @@ def beam_search(model: Transformer, params: Any, inputs: Array, *, beam_size: in
   length limit), or at its length limit. With a beam wide enough to keep every prefix live the
   search is exhaustive, hence exact.
 
-  The cache is never reordered: decode_step reads each hypothesis' ancestry through
-  `cache_slots`, a [batch, beam, max_decode_len] int array that is reordered instead.
-
   Args:
-    model: the `Transformer` module.
-    params: its parameters.
-    inputs: [batch, src_len] int source ids, 0-padded.
+    step_fn: see the module docstring; called with tokens [batch_size, beam_size].
+    cache: the model's state for beam_size hypotheses per sentence.
+    batch_size: number of sentences.
     beam_size: live hypotheses per sentence.
+    max_length: static output length (buffer size).
+    length_limits: [batch_size] int, maximum output length per sentence (EOS included);
+      None: max_length.
     alpha: length-penalty exponent (0: plain log-probability).
-    max_decode_len: static output length (buffer size); default min(src_len +
-      max_extra_length, config.max_len).
-    max_extra_length: per sentence, at most source length + this many output tokens.
     nbest: number of sequences returned per sentence (<= beam_size).
     force_full_length: forbid EOS before the length limit (benchmarks).
-    cache_chunk: grow the self-attention cache by this many steps at a time, so attention
-      covers the steps so far (rounded up) rather than the whole buffer; None: one loop.
-      Each chunk compiles its own loop body.
+    reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
+      that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
+      along axis 1.
+    top_k_extensions: same signature and results as `top_k_extensions` (a faster variant).
+    chunk_length, grow_cache: run the loop in pieces; see `_while_loop`.
   Returns:
-    sequences [batch, nbest, max_decode_len] int32, best first, each ending in EOS then 0s;
+    sequences [batch, nbest, max_length] int32, best first, each ending in EOS then 0s;
     scores [batch, nbest] float32 (length-penalised), -inf for a missing hypothesis (when a
     sentence has fewer than nbest possible outputs).
   """
   if not 1 <= nbest <= beam_size:
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
-  inputs = jnp.asarray(inputs)
-  batch, beam = inputs.shape[0], beam_size
-  length = _buffer_length(model, inputs, max_decode_len, max_extra_length)
-  limits = _length_limits(inputs, length, max_extra_length)
+  batch, beam, length = batch_size, beam_size, max_length
+  limits = _limits(length_limits, batch, length)
+  reorder = reorder_cache or reorder_every_leaf
+  select = top_k_extensions
   # Sentence i's penalty at its limit: the largest ahead for alpha >= 0 (see `bound`).
   penalty_at_limit = length_penalty(limits, alpha)
-  ends = _chunk_ends(length, cache_chunk)
 
   def cond(state):
     return (state['step'] < length) & ~jnp.all(state['done'])
 
-  def body_for(view):  # The body for a cache of `view` steps.
-    return lambda state: body(state, view)
-
-  def body(state, view):
+  def body(state):
     step = state['step']
-    logits, cache = _decode_step(model, params, state['tokens'], step, state['cache'],
-                                 state['slots'][:, :, :view])
-    vocab = logits.shape[-1]
+    log_probs, cache = step_fn(state['tokens'], step, state['cache'])
+    vocab = log_probs.shape[-1]
+    allowed = _allowed_tokens(vocab, step, limits, force_full_length)
     # The 2 * beam best extensions over all beams: at most `beam` of them are EOS (one per
     # beam), so at least `beam` can stay live.
-    cand_log_probs, flat = _best_extensions(logits, state['log_probs'], step, limits,
-                                            force_full_length, 2 * beam)
+    cand_log_probs, flat = select(log_probs, state['log_probs'], allowed, 2 * beam)
     parents, tokens = flat // vocab, flat % vocab  # [batch, 2 * beam]
-    cand_seqs = _set_position(_gather_beams(state['seqs'], parents), step, tokens)
+    cand_seqs = _set_position(gather_beams(state['seqs'], parents), step, tokens)
     is_eos = tokens == EOS_ID
 
     # Finished: EOS extensions ranked within the best `beam`, merged with the earlier ones.
@@ -294,7 +177,7 @@ def beam_search(model: Transformer, params: Any, inputs: Array, *, beam_size: in
                          NEG_INF)
     fin_scores, best = jax.lax.top_k(
         jnp.concatenate([state['fin_scores'], fin_cand], axis=1), nbest)
-    fin_seqs = _gather_beams(jnp.concatenate([state['fin_seqs'], cand_seqs], axis=1), best)
+    fin_seqs = gather_beams(jnp.concatenate([state['fin_seqs'], cand_seqs], axis=1), best)
     # Done sentences keep their result while the others go on.
     done = state['done']
     fin_scores = jnp.where(done[:, None], state['fin_scores'], fin_scores)
@@ -304,14 +187,12 @@ def beam_search(model: Transformer, params: Any, inputs: Array, *, beam_size: in
     alive_log_probs, best = jax.lax.top_k(jnp.where(is_eos, NEG_INF, cand_log_probs), beam)
     parents = jnp.take_along_axis(parents, best, axis=1)  # [batch, beam]
     tokens = jnp.take_along_axis(tokens, best, axis=1)
-    # A child's ancestor at `step` is its parent's entry, written in the parent's slot.
-    slots = _set_position(_gather_beams(state['slots'], parents), step, parents)
 
     bound = alive_log_probs[:, 0] / jnp.maximum(penalty_at_limit,
                                                 length_penalty(step + 2, alpha))
     done = done | (step + 1 >= limits) | (bound <= fin_scores[:, -1])
     return dict(step=step + 1, tokens=tokens, log_probs=alive_log_probs,
-                seqs=_gather_beams(cand_seqs, best), slots=slots, cache=cache,
+                seqs=gather_beams(cand_seqs, best), cache=reorder(cache, parents),
                 fin_seqs=fin_seqs, fin_scores=fin_scores, done=done)
 
   # Step 0: all beams hold the same empty prefix; only beam 0 may extend it.
@@ -321,38 +202,34 @@ def beam_search(model: Transformer, params: Any, inputs: Array, *, beam_size: in
       tokens=jnp.full((batch, beam), PAD_ID, jnp.int32),
       log_probs=jnp.broadcast_to(init_log_probs, (batch, beam)).astype(jnp.float32),
       seqs=jnp.zeros((batch, beam, length), jnp.int32),
-      slots=jnp.zeros((batch, beam, length), jnp.int32),
-      cache=_start(model, params, inputs, beam, ends[0]),
+      cache=cache,
       fin_seqs=jnp.zeros((batch, nbest, length), jnp.int32),
       fin_scores=jnp.full((batch, nbest), NEG_INF, jnp.float32),
       done=jnp.zeros((batch,), bool))
-  state = _chunked_while_loop(cond, body_for, state, ends)
+  state = _while_loop(cond, body, state, length, chunk_length, grow_cache)
   return state['fin_seqs'], state['fin_scores']
 
 
-def _sample_loop(model: Transformer, params: Any, inputs: Array,
-                 choose: Callable[[Array, Array], Array], width: int,
-                 max_decode_len: int | None, max_extra_length: int,
-                 force_full_length: bool, cache_chunk: int | None) -> tuple[Array, Array]:
+def _sample_loop(step_fn: StepFn, cache: Any, choose: Callable[[Array, Array], Array],
+                 batch_size: int, width: int, max_length: int, length_limits: Array | None,
+                 force_full_length: bool, chunk_length: int | None,
+                 grow_cache: Callable | None) -> tuple[Array, Array]:
   """Left-to-right decoding of `width` independent hypotheses per sentence.
 
   `choose(log_probs [batch, width, vocab], step) -> tokens [batch, width]` picks each token.
-  Returns sequences [batch, width, max_decode_len] int32 (EOS then 0s) and their summed model
+  Returns sequences [batch, width, max_length] int32 (EOS then 0s) and their summed
   log-probabilities [batch, width] float32.
   """
-  inputs = jnp.asarray(inputs)
-  batch = inputs.shape[0]
-  length = _buffer_length(model, inputs, max_decode_len, max_extra_length)
-  limits = _length_limits(inputs, length, max_extra_length)
-  ends = _chunk_ends(length, cache_chunk)
+  limits = _limits(length_limits, batch_size, max_length)
 
   def cond(state):
-    return (state['step'] < length) & ~jnp.all(state['finished'])
+    return (state['step'] < max_length) & ~jnp.all(state['finished'])
 
-  def body(state):  # Works for any cache length.
+  def body(state):
     step, finished = state['step'], state['finished']
-    logits, cache = _decode_step(model, params, state['tokens'], step, state['cache'], None)
-    log_probs = _next_log_probs(logits, step, limits, force_full_length)
+    log_probs, cache = step_fn(state['tokens'], step, state['cache'])
+    allowed = _allowed_tokens(log_probs.shape[-1], step, limits, force_full_length)
+    log_probs = jnp.where(allowed, log_probs, NEG_INF)
     tokens = jnp.where(finished, PAD_ID, choose(log_probs, step))
     gain = jnp.take_along_axis(log_probs, tokens[:, :, None], axis=-1)[:, :, 0]
     return dict(step=step + 1, tokens=tokens, cache=cache,
@@ -362,48 +239,50 @@ def _sample_loop(model: Transformer, params: Any, inputs: Array,
 
   state = dict(
       step=jnp.array(0, jnp.int32),
-      tokens=jnp.full((batch, width), PAD_ID, jnp.int32),
-      cache=_start(model, params, inputs, width, ends[0]),
-      seqs=jnp.zeros((batch, width, length), jnp.int32),
-      log_probs=jnp.zeros((batch, width), jnp.float32),
-      finished=jnp.zeros((batch, width), bool))
-  state = _chunked_while_loop(cond, lambda view: body, state, ends)
+      tokens=jnp.full((batch_size, width), PAD_ID, jnp.int32),
+      cache=cache,
+      seqs=jnp.zeros((batch_size, width, max_length), jnp.int32),
+      log_probs=jnp.zeros((batch_size, width), jnp.float32),
+      finished=jnp.zeros((batch_size, width), bool))
+  state = _while_loop(cond, body, state, max_length, chunk_length, grow_cache)
   return state['seqs'], state['log_probs']
 
 
-def greedy_search(model: Transformer, params: Any, inputs: Array, *,
-                  max_decode_len: int | None = None, max_extra_length: int = 50,
-                  force_full_length: bool = False,
-                  cache_chunk: int | None = 8) -> tuple[Array, Array]:
-  """The most probable token at every step.
+def greedy_search(step_fn: StepFn, cache: Any, *, batch_size: int, max_length: int,
+                  length_limits: Array | None = None, force_full_length: bool = False,
+                  chunk_length: int | None = None,
+                  grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
+  """The most probable token at every step; step_fn sees tokens [batch_size, 1].
 
   Args: as `beam_search`.
   Returns:
-    sequences [batch, max_decode_len] int32 ending in EOS then 0s; their summed
+    sequences [batch, max_length] int32 ending in EOS then 0s; their summed
     log-probabilities [batch] float32 (no length penalty).
   """
   seqs, log_probs = _sample_loop(
-      model, params, inputs, lambda log_probs, step: jnp.argmax(log_probs, axis=-1), 1,
-      max_decode_len, max_extra_length, force_full_length, cache_chunk)
+      step_fn, cache, lambda log_probs, step: jnp.argmax(log_probs, axis=-1), batch_size, 1,
+      max_length, length_limits, force_full_length, chunk_length, grow_cache)
   return seqs[:, 0], log_probs[:, 0]
 
 
-def sample(model: Transformer, params: Any, inputs: Array, rng: Array, *,
+def sample(step_fn: StepFn, cache: Any, rng: Array, *, batch_size: int, max_length: int,
            num_samples: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-           max_decode_len: int | None = None, max_extra_length: int = 50,
-           force_full_length: bool = False, cache_chunk: int | None = 8) -> tuple[Array, Array]:
+           length_limits: Array | None = None, force_full_length: bool = False,
+           chunk_length: int | None = None,
+           grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
   """Ancestral sampling from the temperature-scaled, top-k / nucleus-truncated distribution.
 
   Args:
+    step_fn, cache: as `beam_search`, for num_samples hypotheses per sentence.
     rng: a PRNG key; the same key gives the same samples.
     num_samples: independent samples per sentence.
-    temperature: > 0; the logits are divided by it.
+    temperature: > 0; the log-probabilities are divided by it.
     top_k: sample among the k most probable tokens only (0: all).
     top_p: sample among the smallest set of most probable tokens whose probability reaches
       top_p (nucleus sampling; 1: all). The most probable token is always kept.
     Others as `beam_search`.
   Returns:
-    sequences [batch, num_samples, max_decode_len] int32 ending in EOS then 0s; their summed
+    sequences [batch, num_samples, max_length] int32 ending in EOS then 0s; their summed
     log-probabilities under the model (untempered, untruncated) [batch, num_samples] float32.
   """
   if temperature <= 0:
@@ -424,5 +303,108 @@ def sample(model: Transformer, params: Any, inputs: Array, rng: Array, *,
       logits = jnp.where(logits >= threshold, logits, NEG_INF)
     return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
 
-  return _sample_loop(model, params, inputs, choose, num_samples, max_decode_len,
-                      max_extra_length, force_full_length, cache_chunk)
+  return _sample_loop(step_fn, cache, choose, batch_size, num_samples, max_length,
+                      length_limits, force_full_length, chunk_length, grow_cache)
+
+
+# --------------------------------------------------------------------------------------------
+# The Transformer's step function, cache and hooks, and its searches.
+
+
+def _reorder_transformer_cache(cache: dict[str, Any], parents: Array) -> dict[str, Any]:
+  """Gathers the self-attention keys/values [batch, beam, ...]; the rest is per sentence."""
+  layers = [{**layer, 'self_keys': gather_beams(layer['self_keys'], parents),
+             'self_values': gather_beams(layer['self_values'], parents)}
+            for layer in cache['layers']]
+  return {**cache, 'layers': layers}
+
+
+def transformer_search_setup(model: Transformer, params: Any, inputs: Array, width: int,
+                             max_length: int | None, max_extra_length: int
+                             ) -> tuple[StepFn, Any, dict[str, Any]]:
+  """The step function, initial cache and search settings to decode `inputs` with `model`.
+
+  Encodes the source (once per sentence) and builds the cache for `width` hypotheses per
+  sentence. Returns (step_fn, cache, settings): settings holds batch_size, max_length,
+  length_limits and, per `config.cpu_tuned`, the hooks (`reorder_cache` for beam search only,
+  `top_k_extensions`, `chunk_length`, `grow_cache`).
+  """
+  config = model.config
+  inputs = jnp.asarray(inputs)
+  if max_length is None:
+    max_length = min(inputs.shape[1] + max_extra_length, config.max_len)
+  if max_length > config.max_len:
+    raise ValueError(f'max_length={max_length} output tokens exceed the positional table '
+                     f'(TransformerConfig.max_len={config.max_len}).')
+  source_lengths = jnp.sum(inputs != PAD_ID, axis=1, dtype=jnp.int32)
+  settings = dict(batch_size=inputs.shape[0], max_length=max_length,
+                  length_limits=jnp.minimum(source_lengths + max_extra_length, max_length))
+  variables = {'params': params}
+  cpu_tuned = config.use_cpu_tuned
+  cache_length = min(cpu_decoding.CHUNK_LENGTH, max_length) if cpu_tuned else max_length
+  cache = model.apply(variables, inputs, method=lambda m, x: m.init_decode_cache(
+      m.encode(x), x, width, cache_length))
+  if cpu_tuned:
+    cache = cpu_decoding.barrier(cache)
+    settings.update(reorder_cache=cpu_decoding.reorder_cache,
+                    top_k_extensions=cpu_decoding.block_top_k_extensions,
+                    chunk_length=cpu_decoding.CHUNK_LENGTH, grow_cache=cpu_decoding.grow_cache)
+  else:
+    settings.update(reorder_cache=_reorder_transformer_cache)
+
+  def step_fn(tokens, step, cache):
+    logits, cache = model.apply(variables, tokens, step, cache, method='decode_step')
+    return jax.nn.log_softmax(logits, axis=-1), cache
+
+  return step_fn, cache, settings
+
+
+def _without(settings: dict[str, Any], *names: str) -> dict[str, Any]:
+  return {k: v for k, v in settings.items() if k not in names}
+
+
+def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
+                            beam_size: int = 4, alpha: float = 0.6,
+                            max_length: int | None = None, max_extra_length: int = 50,
+                            nbest: int = 1, force_full_length: bool = False
+                            ) -> tuple[Array, Array]:
+  """`beam_search` over a Transformer's translations of `inputs` [batch, src_len] (0-padded).
+
+  max_length: static output length; default min(src_len + max_extra_length, config.max_len).
+  Sentence i produces at most min(source_length_i + max_extra_length, max_length) tokens.
+  Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32.
+  """
+  step_fn, cache, settings = transformer_search_setup(
+      model, params, inputs, beam_size, max_length, max_extra_length)
+  return beam_search(step_fn, cache, beam_size=beam_size, alpha=alpha, nbest=nbest,
+                     force_full_length=force_full_length, **settings)
+
+
+def transformer_greedy_search(model: Transformer, params: Any, inputs: Array, *,
+                              max_length: int | None = None, max_extra_length: int = 50,
+                              force_full_length: bool = False) -> tuple[Array, Array]:
+  """`greedy_search` over a Transformer; arguments as `transformer_beam_search`.
+
+  Returns sequences [batch, max_length] int32 and summed log-probabilities [batch] float32.
+  """
+  step_fn, cache, settings = transformer_search_setup(
+      model, params, inputs, 1, max_length, max_extra_length)
+  return greedy_search(step_fn, cache, force_full_length=force_full_length,
+                       **_without(settings, 'reorder_cache', 'top_k_extensions'))
+
+
+def transformer_sample(model: Transformer, params: Any, inputs: Array, rng: Array, *,
+                       num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
+                       top_p: float = 1.0, max_length: int | None = None,
+                       max_extra_length: int = 50,
+                       force_full_length: bool = False) -> tuple[Array, Array]:
+  """`sample` over a Transformer; arguments as `sample` and `transformer_beam_search`.
+
+  Returns sequences [batch, num_samples, max_length] int32 and their model log-probabilities
+  [batch, num_samples] float32.
+  """
+  step_fn, cache, settings = transformer_search_setup(
+      model, params, inputs, num_samples, max_length, max_extra_length)
+  return sample(step_fn, cache, rng, num_samples=num_samples, temperature=temperature,
+                top_k=top_k, top_p=top_p, force_full_length=force_full_length,
+                **_without(settings, 'reorder_cache', 'top_k_extensions'))

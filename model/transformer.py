@@ -1,14 +1,19 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Flax Linen modules.
 
 One class per box of the paper's Figure 1, bottom-up: attention, feed-forward, encoder layer,
-decoder layer, encoder, decoder, and the `Transformer` that ties the embeddings together.
+decoder layer, encoder, decoder, and the `Transformer` that embeds tokens (with one shared
+matrix) and projects the decoder's output to the vocabulary.
 
 Token conventions used everywhere in the project: 0 = padding and decoder start symbol,
 1 = end of sentence, 2 = unknown.
 
 Incremental decoding keeps an explicit cache (a plain dict of arrays, passed in and returned):
-decoder self-attention keys/values of every step so far, and the cross-attention keys/values of
-the encoder output, projected once per source sentence by `init_decode_cache`.
+decoder self-attention keys/values of every step so far, [batch, beam, steps, heads, head_dim],
+and the cross-attention keys/values of the encoder output, projected once per source sentence
+by `init_decode_cache` and shared by its beams.
+
+`TransformerConfig.cpu_tuned` swaps in CPU-tuned primitives with the same parameters and
+results (up to rounding): `cpu_dropout`, `cpu_rows`, `cpu_layer_norm` and `cpu_decoding`.
 """
 
 from __future__ import annotations
@@ -23,11 +28,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from model import cpu_decoding
+from model.cpu_dropout import HashDropout
+from model.cpu_layer_norm import LayerNorm as CpuLayerNorm
+from model.cpu_rows import on_rows
+
 PAD_ID = 0
 EOS_ID = 1
 UNK_ID = 2
 
 Array = jax.Array
+Cache = dict[str, Any]
 # Maps attention logits [..., keys] to attention weights; 'softmax' is the paper's.
 ATTENTION_PROBS: dict[str, Callable[[Array], Array]] = {'softmax': jax.nn.softmax}
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {'relu': nn.relu, 'gelu': nn.gelu}
@@ -37,7 +48,8 @@ ACTIVATIONS: dict[str, Callable[[Array], Array]] = {'relu': nn.relu, 'gelu': nn.
 class TransformerConfig:
   """Every architectural choice of the model.
 
-  Defaults are the paper's base model; `base()` and `big()` give Table 3's rows.
+  Defaults are the paper's base model; `base()` and `big()` give Table 3's rows. Every field
+  can come from JSON: `dtype`/`param_dtype` also take names such as 'bfloat16'.
   """
 
   vocab_size: int
@@ -57,12 +69,15 @@ class TransformerConfig:
   layer_norm_epsilon: float = 1e-6
   dtype: Any = jnp.float32  # Compute dtype, e.g. jnp.bfloat16 or 'bfloat16'.
   param_dtype: Any = jnp.float32
+  # CPU-tuned primitives (same parameters): None = on when jax.default_backend() is 'cpu'.
   cpu_tuned: bool | None = None
+  # `jax.nn.dot_product_attention(implementation=...)`: None or 'xla' (XLA's own lowering,
+  # every backend), 'cudnn' (cuDNN's fused kernel, GPU, bf16/fp16 only).
   attention_implementation: str | None = None
 
   def __post_init__(self):
-    for name in ('dtype', 'param_dtype'):  # Names, as configs hold them, or dtypes.
-      object.__setattr__(self, name, jnp.dtype(getattr(self, name)).type)
+    for name in ('dtype', 'param_dtype'):  # 'bfloat16' and jnp.bfloat16 alike.
+      object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
     if self.positional not in ('sinusoidal', 'learned'):
@@ -90,6 +105,13 @@ class TransformerConfig:
   @property
   def head_dim(self) -> int:
     return self.d_model // self.num_heads
+
+  @property
+  def use_cpu_tuned(self) -> bool:
+    """`cpu_tuned`, with None resolved against the backend (at trace time)."""
+    if self.cpu_tuned is None:
+      return jax.default_backend() == 'cpu'
+    return self.cpu_tuned
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
@@ -123,6 +145,18 @@ def shift_right(targets: Array, segmentation: Array | None = None) -> Array:
   return shifted
 
 
+def positions_from_segmentation(segmentation: Array) -> Array:
+  """Position of every token within its packed segment: [batch, length] int32.
+
+  A segment starts wherever the id differs from the previous token's.
+  """
+  index = jnp.broadcast_to(jnp.arange(segmentation.shape[1], dtype=jnp.int32),
+                           segmentation.shape)
+  previous = jnp.pad(segmentation, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
+  starts = jnp.where(segmentation != previous, index, 0)
+  return index - jax.lax.cummax(starts, axis=1)
+
+
 def attention_mask(query_tokens: Array, key_tokens: Array,
                    query_segmentation: Array | None = None,
                    key_segmentation: Array | None = None,
@@ -141,122 +175,25 @@ def attention_mask(query_tokens: Array, key_tokens: Array,
   return mask
 
 
-def _mix32(h: Array) -> Array:
-  """MurmurHash3's 32-bit finaliser: a bijection on uint32 with full avalanche."""
-  h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
-  h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
-  return h ^ (h >> 16)
+# The switchable primitives: the paper's operation, or its CPU-tuned twin.
 
 
-def dropout_keep_mask(key: Array, shape: tuple[int, ...], keep_prob: float) -> Array:
-  """A bool mask of `shape` whose entries are True with probability keep_prob, independently.
-
-  Counter-based: each entry hashes its flat index with 64 bits drawn from `key` (two rounds of
-  MurmurHash3's finaliser), so one mask costs ~12 integer ops per entry where threefry
-  (`jax.random.bernoulli`) costs over 100: dropout took ~23% of the benchmark's CPU training
-  step with threefry and ~5% with this (BENCHMARKS.md). The index comes from iotas, so a
-  sharded mask is the same however the array is split over devices. Arrays past 2**32 entries
-  reuse indices.
-  """
-  seed = jax.random.bits(key, (2,), jnp.uint32)
-  index = jnp.zeros(shape, jnp.uint32)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, shape, axis) * jnp.uint32(stride)
-    stride = stride * shape[axis] % 2**32
-  bits = _mix32(_mix32(index ^ seed[0]) ^ seed[1])
-  return bits < jnp.uint32(min(round(keep_prob * 2**32), 2**32 - 1))
+def dropout(config: TransformerConfig, rate: float) -> nn.Module:
+  """Inverted dropout (Section 5.4): `nn.Dropout`, or `HashDropout` when CPU-tuned."""
+  return HashDropout(rate) if config.use_cpu_tuned else nn.Dropout(rate)
 
 
-def on_rows(layer: Callable[[Array], Array], x: Array, feature_dims: int = 1) -> Array:
-  """layer(x) on x's leading (batch, position) axes flattened into one row axis.
-
-  x: [..., *features] with `feature_dims` feature axes -> layer's output with x's leading axes.
-  Rank-2 products are what XLA:CPU's matmul libraries take as they are: on [batch, length,
-  features] arrays it transposes activations and gradients to compute each weight gradient
-  (14-16% of the benchmark's CPU training step).
-  """
-  leading = x.shape[:x.ndim - feature_dims]
-  y = layer(x.reshape((-1,) + x.shape[x.ndim - feature_dims:]))
-  return y.reshape(leading + y.shape[1:])
+def layer_norm(config: TransformerConfig) -> nn.Module:
+  """Layer normalisation: `nn.LayerNorm`, or its CPU twin (same parameters) when CPU-tuned."""
+  norm = CpuLayerNorm if config.use_cpu_tuned else nn.LayerNorm
+  return norm(epsilon=config.layer_norm_epsilon, dtype=config.dtype,
+              param_dtype=config.param_dtype)
 
 
-class Dropout(nn.Module):
-  """Inverted dropout (Section 5.4): zero each entry with probability `rate`, scale the rest.
-
-  Uses `dropout_keep_mask` with the 'dropout' RNG stream, like `nn.Dropout`'s interface.
-  """
-
-  rate: float
-
-  @nn.compact
-  def __call__(self, x: Array, deterministic: bool) -> Array:
-    if deterministic or self.rate == 0.0:
-      return x
-    keep_prob = 1.0 - self.rate
-    # No mask is stored: XLA fuses the hash into the ops that apply it, forward and backward,
-    # where its few integer ops cost less than writing and reading a mask would.
-    keep = dropout_keep_mask(self.make_rng('dropout'), x.shape, keep_prob)
-    return jnp.where(keep, x / keep_prob, 0).astype(x.dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def layer_norm(x: Array, scale: Array, bias: Array, epsilon: float) -> Array:
-  """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis; statistics in float32.
-
-  x: [..., features]; scale, bias: [features]. Returns x's shape and dtype. The gradient is
-  written out (`_layer_norm_backward`): XLA's derivative of the same forward made more passes
-  over the activations, and a hand-written one made the CPU training step 1.5% faster.
-  """
-  return _layer_norm_forward(x, scale, bias, epsilon)[0]
-
-
-def _layer_norm_forward(x, scale, bias, epsilon):
-  x32 = x.astype(jnp.float32)
-  centred = x32 - jnp.mean(x32, axis=-1, keepdims=True)
-  inv_std = jax.lax.rsqrt(jnp.mean(centred * centred, axis=-1, keepdims=True) + epsilon)
-  normalised = centred * inv_std
-  y = normalised * scale.astype(jnp.float32) + bias.astype(jnp.float32)
-  return y.astype(x.dtype), (normalised, inv_std, scale)
-
-
-def _layer_norm_backward(epsilon, residuals, dy):
-  del epsilon
-  normalised, inv_std, scale = residuals
-  x_dtype = dy.dtype  # The output has the input's dtype.
-  dy = dy.astype(jnp.float32)
-  d_normalised = dy * scale.astype(jnp.float32)
-  # d/dx of (x - mean) * inv_std: remove the mean of the incoming gradient and its component
-  # along the normalised input (both are per row, over the feature axis).
-  dx = inv_std * (d_normalised - jnp.mean(d_normalised, axis=-1, keepdims=True)
-                  - normalised * jnp.mean(d_normalised * normalised, axis=-1, keepdims=True))
-  rows = tuple(range(dy.ndim - 1))
-  return (dx.astype(x_dtype), jnp.sum(dy * normalised, axis=rows).astype(scale.dtype),
-          jnp.sum(dy, axis=rows).astype(scale.dtype))
-
-
-layer_norm.defvjp(_layer_norm_forward, _layer_norm_backward)
-
-
-class LayerNorm(nn.Module):
-  """Layer normalisation (Ba et al., 2016) with a learned scale and bias, as `nn.LayerNorm`.
-
-  Same parameters ('scale' ones, 'bias' zeros) and results as `nn.LayerNorm`; the
-  computation is `layer_norm`.
-  """
-
-  epsilon: float = 1e-6
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: Array) -> Array:
-    features = x.shape[-1]
-    scale = self.param('scale', nn.initializers.ones, (features,), self.param_dtype)
-    bias = self.param('bias', nn.initializers.zeros, (features,), self.param_dtype)
-    # Normalise in the wider of the two dtypes, like nn.LayerNorm; return self.dtype.
-    x = x.astype(jnp.promote_types(x.dtype, self.dtype))
-    return layer_norm(x, scale, bias, self.epsilon).astype(self.dtype)
+def dense_apply(config: TransformerConfig, layer: Callable[[Array], Array], x: Array,
+                feature_dims: int = 1) -> Array:
+  """layer(x) on x [batch, length, *features]; on rank-2 rows when CPU-tuned."""
+  return on_rows(layer, x, feature_dims) if config.use_cpu_tuned else layer(x)
 
 
 class MultiHeadAttention(nn.Module):
@@ -277,11 +214,11 @@ class MultiHeadAttention(nn.Module):
     self.out = nn.DenseGeneral(
         features=c.d_model, axis=(-2, -1), dtype=c.dtype, param_dtype=c.param_dtype,
         kernel_init=nn.initializers.xavier_uniform())
-    self.attention_dropout = Dropout(c.attention_dropout_rate)
+    self.attention_dropout = dropout(c, c.attention_dropout_rate)
 
   def project_keys_values(self, x: Array) -> tuple[Array, Array]:
     """[batch, length, d_model] -> keys, values [batch, length, heads, head_dim]."""
-    return on_rows(self.key, x), on_rows(self.value, x)
+    return dense_apply(self.config, self.key, x), dense_apply(self.config, self.value, x)
 
   def attend(self, x: Array, keys: Array, values: Array, mask: Array, train: bool) -> Array:
     """Queries from x [batch, q_len, d_model] attend to projected keys/values.
@@ -295,37 +232,47 @@ class MultiHeadAttention(nn.Module):
       [batch, q_len, d_model].
     """
     c = self.config
-    query = on_rows(self.query, x)
+    query = dense_apply(c, self.query, x)
     use_dropout = train and c.attention_dropout_rate > 0
     if c.attention_probs == 'softmax' and not use_dropout:
-      # One fused call: cuDNN/flash kernels on GPU, XLA's fusion on CPU/TPU.
-      context = jax.nn.dot_product_attention(query, keys, values, mask=mask)
+      # Logits and softmax in float32 for any input dtype. implementation=None is XLA's own
+      # lowering of the same einsums on every backend; 'cudnn' selects cuDNN's fused kernel
+      # (GPU, bf16/fp16 inputs only).
+      context = jax.nn.dot_product_attention(query, keys, values, mask=mask,
+                                             implementation=c.attention_implementation)
     else:
-      logits = jnp.einsum('bqhd,bkhd->bhqk', query, keys) / np.sqrt(c.head_dim).astype(c.dtype)
-      weights = self.attention_dropout(self._weights(logits, mask),
-                                       deterministic=not use_dropout)
+      logits = jnp.einsum('bqhd,bkhd->bhqk', query, keys,
+                          preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
+      weights = self.attention_dropout(self.weights(logits, mask), deterministic=not use_dropout)
       context = jnp.einsum('bhqk,bkhd->bqhd', weights, values)
-    return on_rows(self.out, context, feature_dims=2)
+    return dense_apply(c, self.out, context, feature_dims=2)
 
-  def _weights(self, logits: Array, mask: Array) -> Array:
-    """Attention probabilities [batch, heads, q_len, k_len] from masked logits."""
+  def weights(self, logits: Array, mask: Array) -> Array:
+    """Attention probabilities [batch, heads, q_len, k_len] from float32 logits, in float32,
+    returned in the compute dtype."""
     logits = jnp.where(mask, logits, jnp.finfo(logits.dtype).min)
     probs = ATTENTION_PROBS[self.config.attention_probs](logits.astype(jnp.float32))
     return probs.astype(self.config.dtype)
 
-  def attend_transposed(self, x: Array, keys_t: Array, values_t: Array, mask: Array) -> Array:
-    """`attend` (no dropout) over keys and values stored as [batch, heads, head_dim, k_len].
+  def cached_step(self, x: Array, step: Array, keys: Array, values: Array,
+                  mask: Array) -> tuple[Array, Array, Array]:
+    """Self-attention of one decoding step with a key/value cache.
 
-    That is the layout both of XLA:CPU's attention dot products read, so decoding keeps its
-    self-attention cache this way: no step transposes the cache (that took ~13% of a
-    beam-search step). Returns [batch, q_len, d_model] for x [batch, q_len, d_model].
+    Args:
+      x: [batch, beam, d_model], this step's inputs of every hypothesis.
+      step: scalar int, the position being decoded.
+      keys, values: the cache, [batch, beam, steps, heads, head_dim].
+      mask: [1, 1, 1, steps] bool, the steps written so far (this one included).
+    Returns:
+      [batch, beam, d_model] and the cache with this step's keys/values written.
     """
-    c = self.config
-    # [batch, q_len, heads, head_dim]
-    query = on_rows(self.query, x) / np.sqrt(c.head_dim).astype(c.dtype)
-    logits = jnp.einsum('bhqd,bhdk->bhqk', query.transpose(0, 2, 1, 3), keys_t)
-    context = jnp.einsum('bhdk,bhqk->bhdq', values_t, self._weights(logits, mask))
-    return on_rows(self.out, context.transpose(0, 3, 1, 2), feature_dims=2)
+    new_keys, new_values = self.project_keys_values(x)  # [batch, beam, heads, head_dim]
+    keys = jax.lax.dynamic_update_slice_in_dim(keys, new_keys[:, :, None], step, axis=2)
+    values = jax.lax.dynamic_update_slice_in_dim(values, new_values[:, :, None], step, axis=2)
+    batch, beam = x.shape[:2]
+    rows = lambda t: t.reshape((batch * beam,) + t.shape[2:])  # Hypotheses as the batch.
+    out = self.attend(rows(x)[:, None], rows(keys), rows(values), mask, train=False)
+    return out.reshape(x.shape), keys, values
 
   def __call__(self, x: Array, context: Array, mask: Array, train: bool) -> Array:
     keys, values = self.project_keys_values(context)
@@ -339,12 +286,13 @@ class FeedForward(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
+    """[batch, length, d_model] -> [batch, length, d_model]."""
     c = self.config
     dense = functools.partial(nn.Dense, dtype=c.dtype, param_dtype=c.param_dtype,
                               kernel_init=nn.initializers.xavier_uniform())
     feed_forward = lambda rows: dense(c.d_model, name='output')(
         ACTIVATIONS[c.activation](dense(c.d_ff, name='hidden')(rows)))
-    return on_rows(feed_forward, x)
+    return dense_apply(c, feed_forward, x)
 
 
 class SublayerConnection(nn.Module):
@@ -353,9 +301,8 @@ class SublayerConnection(nn.Module):
   config: TransformerConfig
 
   def setup(self):
-    c = self.config
-    self.norm = LayerNorm(epsilon=c.layer_norm_epsilon, dtype=c.dtype, param_dtype=c.param_dtype)
-    self.dropout = Dropout(c.dropout_rate)
+    self.norm = layer_norm(self.config)
+    self.dropout = dropout(self.config, self.config.dropout_rate)
 
   def __call__(self, x: Array, sublayer: Callable[[Array], Array], train: bool) -> Array:
     if self.config.pre_norm:
@@ -402,49 +349,91 @@ class DecoderLayer(nn.Module):
         y, lambda z: self.cross_attention(z, encoded, cross_mask, train), train)
     return self.feed_forward_sublayer(y, self.feed_forward, train)
 
-  def cross_keys_values(self, encoded: Array) -> tuple[Array, Array]:
-    """Encoder-side keys/values, computed once per source sentence: [batch, src_len, heads, hd]."""
-    return self.cross_attention.project_keys_values(encoded)
-
-  def step(self, y: Array, step: Array, layer_cache: dict[str, Array], self_mask: Array,
-           cross_mask: Array) -> tuple[Array, dict[str, Array]]:
+  def step(self, y: Array, step: Array, layer_cache: Cache, self_mask: Array,
+           cross_mask: Array) -> tuple[Array, Cache]:
     """One incremental decoding step for `beam` hypotheses per sentence.
 
     Args:
       y: [batch, beam, d_model], the embedded tokens of this step.
       step: scalar int, the position being decoded.
-      layer_cache: 'self_keys'/'self_values' [batch, heads, head_dim, max_decode_len * beam]
-        (entry t * beam + s: step t of slot s) and 'cross_keys'/'cross_values' [batch,
-        src_len, heads, head_dim].
-      self_mask: [batch, 1, beam, max_decode_len * beam] bool: which cached entries each
-        hypothesis sees (its own ancestors' slots at steps <= `step`).
+      layer_cache: this layer's part of `Transformer.init_decode_cache`'s cache.
+      self_mask: which cached self-attention entries each hypothesis sees.
       cross_mask: [batch, 1, 1, src_len] bool.
     Returns:
       [batch, beam, d_model] and the updated layer cache.
     """
     new_cache = dict(layer_cache)
+    cpu_tuned = self.config.use_cpu_tuned
 
     def self_attend(z):
-      keys, values = self.self_attention.project_keys_values(z)  # [batch, beam, heads, hd]
-      beam = keys.shape[1]
-      # This step's entries of all slots are contiguous: one in-place update, and the cache is
-      # read as it is stored (a reshaped view made XLA copy the whole cache every step).
-      for name, new in (('self_keys', keys), ('self_values', values)):
-        new_cache[name] = jax.lax.dynamic_update_slice_in_dim(
-            layer_cache[name], new.transpose(0, 2, 3, 1), step * beam, axis=3)
-      # Every hypothesis attends over all beams' cached entries; the mask keeps its own
-      # ancestry. This replaces reordering the whole cache after each beam-search step by a
-      # small int index, at the price of beam-times more (cheap) attention logits.
-      return self.self_attention.attend_transposed(
-          z, new_cache['self_keys'], new_cache['self_values'], self_mask)
+      if cpu_tuned:
+        out, written = cpu_decoding.self_attention_step(
+            self.self_attention, z, step, layer_cache, self_mask)
+        new_cache.update(written)
+      else:
+        out, new_cache['self_keys'], new_cache['self_values'] = self.self_attention.cached_step(
+            z, step, layer_cache['self_keys'], layer_cache['self_values'], self_mask)
+      return out
 
     y = self.self_attention_sublayer(y, self_attend, False)
+    if cpu_tuned:
+      cross_keys, cross_values = cpu_decoding.cross_keys_values(layer_cache)
+    else:
+      cross_keys, cross_values = layer_cache['cross_keys'], layer_cache['cross_values']
     # The beam axis plays the query axis of cross-attention: one source, `beam` queries, so the
     # encoder keys/values are neither copied per hypothesis nor reordered.
     y = self.cross_attention_sublayer(
-        y, lambda z: self.cross_attention.attend(
-            z, layer_cache['cross_keys'], layer_cache['cross_values'], cross_mask, False), False)
+        y, lambda z: self.cross_attention.attend(z, cross_keys, cross_values, cross_mask, False),
+        False)
     return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
+
+
+class Encoder(nn.Module):
+  """The stack of encoder layers (and, pre-LN, a final LayerNorm) over embedded sources."""
+
+  config: TransformerConfig
+
+  def setup(self):
+    self.layers = [EncoderLayer(self.config) for _ in range(self.config.num_encoder_layers)]
+    if self.config.pre_norm:  # Pre-LN leaves the residual stream unnormalised.
+      self.norm = layer_norm(self.config)
+
+  def __call__(self, x: Array, mask: Array, train: bool = False) -> Array:
+    """x: [batch, src_len, d_model] embedded; mask: [batch, 1, src_len, src_len] -> encoded."""
+    for layer in self.layers:
+      x = layer(x, mask, train)
+    return self.norm(x) if self.config.pre_norm else x
+
+
+class Decoder(nn.Module):
+  """The stack of decoder layers (and, pre-LN, a final LayerNorm) over embedded targets."""
+
+  config: TransformerConfig
+
+  def setup(self):
+    self.layers = [DecoderLayer(self.config) for _ in range(self.config.num_decoder_layers)]
+    if self.config.pre_norm:
+      self.norm = layer_norm(self.config)
+
+  def __call__(self, y: Array, encoded: Array, self_mask: Array, cross_mask: Array,
+               train: bool = False) -> Array:
+    """y: [batch, tgt_len, d_model] embedded decoder inputs -> [batch, tgt_len, d_model]."""
+    for layer in self.layers:
+      y = layer(y, encoded, self_mask, cross_mask, train)
+    return self.norm(y) if self.config.pre_norm else y
+
+  def cross_keys_values(self, encoded: Array) -> list[tuple[Array, Array]]:
+    """Per layer, cross-attention keys, values [batch, src_len, heads, head_dim]."""
+    return [layer.cross_attention.project_keys_values(encoded) for layer in self.layers]
+
+  def step(self, y: Array, step: Array, layer_caches: list[Cache], self_mask: Array,
+           cross_mask: Array) -> tuple[Array, list[Cache]]:
+    """One decoding step (see `DecoderLayer.step`): [batch, beam, d_model], new caches."""
+    new_caches = []
+    for layer, layer_cache in zip(self.layers, layer_caches, strict=True):
+      y, layer_cache = layer.step(y, step, layer_cache, self_mask, cross_mask)
+      new_caches.append(layer_cache)
+    return (self.norm(y) if self.config.pre_norm else y), new_caches
 
 
 class Transformer(nn.Module):
@@ -466,21 +455,19 @@ class Transformer(nn.Module):
     else:
       self.source_embed = embed()
       self.target_embed = embed()
+      # Logits in float32 whatever the compute dtype.
       self.output_projection = nn.Dense(
           c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
-          kernel_init=nn.initializers.xavier_uniform())
+          kernel_init=nn.initializers.xavier_uniform(),
+          dot_general=functools.partial(jax.lax.dot_general,
+                                        preferred_element_type=jnp.float32))
     if c.positional == 'learned':
       self.position_embed = nn.Embed(
           c.max_len, c.d_model, dtype=c.dtype, param_dtype=c.param_dtype,
           embedding_init=nn.initializers.normal(stddev=0.02))
-    self.embedding_dropout = Dropout(c.dropout_rate)
-    self.encoder_layers = [EncoderLayer(c) for _ in range(c.num_encoder_layers)]
-    self.decoder_layers = [DecoderLayer(c) for _ in range(c.num_decoder_layers)]
-    if c.pre_norm:  # Pre-LN leaves the residual stream unnormalised: normalise the outputs.
-      norm = functools.partial(LayerNorm, epsilon=c.layer_norm_epsilon, dtype=c.dtype,
-                               param_dtype=c.param_dtype)
-      self.encoder_norm = norm()
-      self.decoder_norm = norm()
+    self.embedding_dropout = dropout(c, c.dropout_rate)
+    self.encoder = Encoder(c)
+    self.decoder = Decoder(c)
 
   def _embed(self, tokens: Array, positions: Array, source: bool, train: bool) -> Array:
     """Token embedding * sqrt(d_model) + positional encoding, then dropout. -> [..., d_model]."""
@@ -498,13 +485,14 @@ class Transformer(nn.Module):
 
   def _logits(self, y: Array) -> Array:
     """[..., d_model] -> float32 logits [..., vocab] through the (shared) embedding matrix."""
-    if self.config.pre_norm:
-      y = self.decoder_norm(y)
-    if self.config.share_embeddings:
-      logits = on_rows(self.embed.attend, y)
+    c = self.config
+    if c.share_embeddings:
+      embedding = self.embed.embedding.astype(c.dtype)
+      project = lambda rows: jnp.einsum('...d,vd->...v', rows.astype(c.dtype), embedding,
+                                        preferred_element_type=jnp.float32)
     else:
-      logits = on_rows(self.output_projection, y)
-    return logits.astype(jnp.float32)
+      project = self.output_projection
+    return dense_apply(c, project, y).astype(jnp.float32)
 
   def _check_length(self, length: int, what: str):
     if length > self.config.max_len:
@@ -513,17 +501,16 @@ class Transformer(nn.Module):
 
   def encode(self, inputs: Array, inputs_segmentation: Array | None = None,
              inputs_positions: Array | None = None, train: bool = False) -> Array:
-    """inputs: [batch, src_len] int -> encoded [batch, src_len, d_model]."""
+    """inputs: [batch, src_len] int -> encoded [batch, src_len, d_model].
+
+    Positions default to each token's position within its segment (or row).
+    """
     self._check_length(inputs.shape[1], 'Source')
     if inputs_positions is None:
-      inputs_positions = jnp.broadcast_to(jnp.arange(inputs.shape[1]), inputs.shape)
+      inputs_positions = _default_positions(inputs, inputs_segmentation)
     mask = attention_mask(inputs, inputs, inputs_segmentation, inputs_segmentation)
     x = self._embed(inputs, inputs_positions, source=True, train=train)
-    for layer in self.encoder_layers:
-      x = layer(x, mask, train)
-    if self.config.pre_norm:
-      x = self.encoder_norm(x)
-    return x
+    return self.encoder(x, mask, train)
 
   def decode(self, encoded: Array, inputs: Array, targets: Array,
              inputs_segmentation: Array | None = None,
@@ -538,16 +525,14 @@ class Transformer(nn.Module):
     """
     self._check_length(targets.shape[1], 'Target')
     if targets_positions is None:
-      targets_positions = jnp.broadcast_to(jnp.arange(targets.shape[1]), targets.shape)
+      targets_positions = _default_positions(targets, targets_segmentation)
     decoder_inputs = shift_right(targets, targets_segmentation)
     # Masks come from `targets`, not the decoder inputs: the start symbol shares id 0 with pad.
     self_mask = attention_mask(targets, targets, targets_segmentation, targets_segmentation,
                                causal=True)
     cross_mask = attention_mask(targets, inputs, targets_segmentation, inputs_segmentation)
     y = self._embed(decoder_inputs, targets_positions, source=False, train=train)
-    for layer in self.decoder_layers:
-      y = layer(y, encoded, self_mask, cross_mask, train)
-    return self._logits(y)
+    return self._logits(self.decoder(y, encoded, self_mask, cross_mask, train))
 
   def __call__(self, inputs: Array, targets: Array, *,
                inputs_segmentation: Array | None = None,
@@ -564,7 +549,7 @@ class Transformer(nn.Module):
                        targets_positions, train)
 
   def init_decode_cache(self, encoded: Array, inputs: Array, beam_size: int,
-                        max_decode_len: int) -> dict[str, Any]:
+                        max_length: int) -> Cache:
     """The decoding cache for `beam_size` hypotheses per source sentence.
 
     Cross-attention keys/values are projected here, once per sentence, and shared by its beams.
@@ -572,55 +557,72 @@ class Transformer(nn.Module):
     Args:
       encoded: [batch, src_len, d_model] from `encode`.
       inputs: [batch, src_len] source ids (0 = padding).
-      beam_size: hypotheses per sentence (1 for greedy search or sampling).
-      max_decode_len: number of decoding steps the cache holds.
+      beam_size: hypotheses per sentence (1 for greedy search).
+      max_length: number of decoding steps the cache holds.
     Returns:
-      {'encoder_mask': [batch, src_len] bool, 'layers': one dict per decoder layer}.
+      {'encoder_mask': [batch, src_len] bool, 'layers': per decoder layer 'self_keys',
+      'self_values' [batch, beam, max_length, heads, head_dim] and 'cross_keys',
+      'cross_values' [batch, src_len, heads, head_dim]}; CPU-tuned, `cpu_decoding.init_cache`'s
+      layout.
     """
-    self._check_length(max_decode_len, 'Decoding')
+    self._check_length(max_length, 'Decoding')
     c = self.config
-    batch = encoded.shape[0]
-    layers = []
-    for layer in self.decoder_layers:
-      cross_keys, cross_values = layer.cross_keys_values(encoded)
-      # [batch, heads, head_dim, len * beam]: see `MultiHeadAttention.attend_transposed`.
-      empty = jnp.zeros((batch, c.num_heads, c.head_dim, max_decode_len * beam_size), c.dtype)
-      layers.append(dict(self_keys=empty, self_values=empty, cross_keys=cross_keys,
-                         cross_values=cross_values))
+    cross = self.decoder.cross_keys_values(encoded)
+    if c.use_cpu_tuned:
+      return cpu_decoding.init_cache(cross, inputs > 0, beam_size, max_length, c.num_heads,
+                                     c.head_dim, c.dtype)
+    empty = jnp.zeros((inputs.shape[0], beam_size, max_length, c.num_heads, c.head_dim),
+                      c.dtype)
+    layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys, cross_values=values)
+              for keys, values in cross]
     return {'encoder_mask': inputs > 0, 'layers': layers}
 
-  def decode_step(self, tokens: Array, step: Array, cache: dict[str, Any],
-                  cache_slots: Array | None = None) -> tuple[Array, dict[str, Any]]:
+  def decode_step(self, tokens: Array, step: Array, cache: Cache) -> tuple[Array, Cache]:
     """Logits for the next token of every hypothesis, given this step's tokens.
 
     Args:
       tokens: [batch, beam] int, the tokens at position `step` (0 = start symbol at step 0).
       step: scalar int32, the position being decoded.
       cache: from `init_decode_cache` or the previous step.
-      cache_slots: [batch, beam, max_decode_len] int, for each hypothesis and each earlier
-        step, the beam slot whose cache entry holds its ancestor's token at that step (beam
-        search reorders this small index instead of the cache). None: slot b is hypothesis b.
     Returns:
       logits [batch, beam, vocab] float32 and the updated cache.
     """
-    batch, beam = tokens.shape
-    max_decode_len = cache['layers'][0]['self_keys'].shape[-1] // beam
-    if cache_slots is None:
-      cache_slots = jnp.broadcast_to(jnp.arange(beam)[None, :, None], (batch, beam, max_decode_len))
-    # [batch, beam (query), len, beam (slot)], the cache's order: hypothesis q sees slot s at
-    # step t iff its ancestor at t lives in slot s; the current step's entry is its own slot.
-    time = jnp.arange(max_decode_len)
-    cache_slots = jnp.where(time == step, jnp.arange(beam)[None, :, None], cache_slots)
-    visible = ((cache_slots[..., None] == jnp.arange(beam)) & (time <= step)[:, None])
-    self_mask = visible.reshape(batch, 1, beam, max_decode_len * beam)
+    if self.config.use_cpu_tuned:
+      self_mask, cache = cpu_decoding.self_attention_mask(cache, step)
+    else:
+      steps = cache['layers'][0]['self_keys'].shape[2]
+      self_mask = (jnp.arange(steps) <= step)[None, None, None, :]
     cross_mask = cache['encoder_mask'][:, None, None, :]
-    positions = jnp.full((batch, beam), step, jnp.int32)
-    y = self._embed(tokens, positions, source=False, train=False)
-    new_layers = []
-    for layer, layer_cache in zip(self.decoder_layers, cache['layers']):
-      y, layer_cache = layer.step(y, step, layer_cache, self_mask, cross_mask)
-      new_layers.append(layer_cache)
-    return self._logits(y), {'encoder_mask': cache['encoder_mask'], 'layers': new_layers}
+    y = self._embed(tokens, jnp.full(tokens.shape, step, jnp.int32), source=False, train=False)
+    y, layers = self.decoder.step(y, step, cache['layers'], self_mask, cross_mask)
+    return self._logits(y), {**cache, 'layers': layers}
+
+
+def _default_positions(tokens: Array, segmentation: Array | None) -> Array:
+  """Positions within each packed segment, or 0, 1, ... along each row: [batch, length]."""
+  if segmentation is not None:
+    return positions_from_segmentation(segmentation)
+  return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+
+
+def upgrade_params(params: dict[str, Any]) -> dict[str, Any]:
+  """A parameter tree of the earlier layout (layers at the top level: 'encoder_layers_0', ...,
+  'encoder_norm', 'decoder_norm') in today's ('encoder': {'layers_0', ..., 'norm'}, 'decoder':
+  ...). Trees already in today's layout are returned unchanged."""
+  if 'encoder' in params or 'decoder' in params:
+    return params
+  upgraded: dict[str, Any] = {}
+  for name, value in params.items():
+    for side in ('encoder', 'decoder'):
+      if name.startswith(f'{side}_layers_'):
+        upgraded.setdefault(side, {})['layers_' + name[len(f'{side}_layers_'):]] = value
+        break
+      if name == f'{side}_norm':
+        upgraded.setdefault(side, {})['norm'] = value
+        break
+    else:
+      upgraded[name] = value
+  return upgraded
 
 
 def count_params(params) -> int:

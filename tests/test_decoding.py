@@ -1,6 +1,7 @@
 """Tests of model/decoding.py: beam search against brute force, greedy search and sampling,
 batch invariance, and cached scores against the teacher-forced forward pass."""
 
+import dataclasses
 import functools
 import itertools
 
@@ -14,16 +15,20 @@ from model import (
   Transformer,
   TransformerConfig,
   beam_search,
+  cpu_decoding,
   decoding,
   greedy_search,
   length_penalty,
-  sample,
+  transformer_beam_search,
+  transformer_greedy_search,
+  transformer_sample,
 )
 
 ALPHA = 0.6
 
 
-def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = -3.0):
+def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = -3.0,
+               cpu_tuned: bool | None = None):
   """A small random model whose outputs depend on the source and end at varied lengths.
 
   All kernels and embeddings are scaled up (peakier distributions), and the last decoder
@@ -32,7 +37,7 @@ def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = 
   """
   config = TransformerConfig(vocab_size=vocab, d_model=32, num_heads=4, d_ff=64,
                              num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
-                             max_len=64)
+                             max_len=64, cpu_tuned=cpu_tuned)
   model = Transformer(config)
   dummy = jnp.ones((1, 4), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(seed), dummy, dummy)['params']
@@ -42,7 +47,7 @@ def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = 
   table = np.asarray(params['embed']['embedding'], np.float64)
   basis, _ = np.linalg.qr(np.delete(table, EOS_ID, axis=0).T)
   direction = table[EOS_ID] - basis @ (basis.T @ table[EOS_ID])
-  norm = params['decoder_layers_1']['feed_forward_sublayer']['norm']
+  norm = params['decoder']['layers_1']['feed_forward_sublayer']['norm']
   norm['bias'] = jnp.asarray(direction * eos_bias / (direction @ direction), jnp.float32)
   return model, params
 
@@ -90,7 +95,7 @@ def check_well_formed(seqs):
 @pytest.fixture(scope='module')
 def medium():
   """vocab 20, a batch of 6 sources of different lengths; outputs end at varied lengths."""
-  model, params = make_model(20, seed=2, scale=1.0, eos_bias=2.0)
+  model, params = make_model(20, seed=1, scale=1.0, eos_bias=1.5)
   inputs = random_sources(np.random.default_rng(1), [7, 3, 5, 1, 6, 4], 20)
   return model, params, inputs
 
@@ -104,12 +109,12 @@ def test_beam_search_is_exact_with_an_exhaustive_beam():
   so the 3 best outputs must be the 3 best of all sequences ending in EOS within each
   sentence's limit (min(source length + 1, 4) here), under the same length penalty."""
   vocab, max_len, nbest = 5, 4, 3
-  model, params = make_model(vocab, seed=0)
+  model, params = make_model(vocab, seed=4)
   source_lengths = [6, 6, 6, 6, 2, 3, 1, 6]
   inputs = random_sources(np.random.default_rng(0), source_lengths, vocab)
   seqs, scores = map(np.asarray, jitted(
-      beam_search, model, beam_size=36, alpha=ALPHA, max_decode_len=max_len, max_extra_length=1,
-      nbest=nbest)(params, inputs))
+      transformer_beam_search, model, beam_size=36, alpha=ALPHA, max_length=max_len,
+      max_extra_length=1, nbest=nbest)(params, inputs))
   check_well_formed(seqs)
 
   candidates = np.array([list(prefix) + [EOS_ID] + [0] * (max_len - n)
@@ -133,9 +138,10 @@ def test_beam_search_is_exact_with_an_exhaustive_beam():
 def test_beam_size_one_is_greedy_search(medium):
   """With alpha 0 the finished EOS hypothesis of beam 1 always beats its live rival."""
   model, params, inputs = medium
-  beam_seqs, beam_scores = jitted(beam_search, model, beam_size=1, alpha=0.0,
-                                  max_decode_len=16)(params, inputs)
-  greedy_seqs, greedy_scores = jitted(greedy_search, model, max_decode_len=16)(params, inputs)
+  beam_seqs, beam_scores = jitted(transformer_beam_search, model, beam_size=1, alpha=0.0,
+                                  max_length=16)(params, inputs)
+  greedy_seqs, greedy_scores = jitted(transformer_greedy_search, model, max_length=16)(
+      params, inputs)
   np.testing.assert_array_equal(beam_seqs[:, 0], greedy_seqs)
   np.testing.assert_allclose(beam_scores[:, 0], greedy_scores, rtol=1e-5)
   assert len(set(output_lengths(greedy_seqs))) > 1  # EOS at varied steps.
@@ -145,7 +151,7 @@ def test_scores_match_the_forward_pass_and_nbest_is_sorted(medium):
   model, params, inputs = medium
   nbest, max_len = 4, 16
   seqs, scores = map(np.asarray, jitted(
-      beam_search, model, beam_size=4, alpha=ALPHA, max_decode_len=max_len, nbest=nbest)(
+      transformer_beam_search, model, beam_size=4, alpha=ALPHA, max_length=max_len, nbest=nbest)(
           params, inputs))
   assert seqs.shape == (len(inputs), nbest, max_len) and scores.shape == (len(inputs), nbest)
   check_well_formed(seqs)
@@ -158,13 +164,16 @@ def test_scores_match_the_forward_pass_and_nbest_is_sorted(medium):
 
 
 def test_sentence_alone_equals_sentence_in_a_batch(medium):
-  """Also with another chunking of the cache: one loop over the whole buffer."""
+  """Also across the variants: alone, the other `cpu_tuned` setting (another cache layout and
+  reordering, one loop instead of chunks, plain top_k)."""
   model, params, inputs = medium
-  settings = dict(beam_size=4, alpha=ALPHA, max_decode_len=16, nbest=2)
-  batch_seqs, batch_scores = jitted(beam_search, model, **settings)(params, inputs)
+  other = Transformer(dataclasses.replace(model.config,
+                                          cpu_tuned=not model.config.use_cpu_tuned))
+  settings = dict(beam_size=4, alpha=ALPHA, max_length=16, nbest=2)
+  batch_seqs, batch_scores = jitted(transformer_beam_search, model, **settings)(params, inputs)
   for i in [1, 3]:
     alone = inputs[i:i + 1, :max(1, int(np.sum(inputs[i] > 0)))]  # Its own padding width.
-    seqs, scores = jitted(beam_search, model, cache_chunk=None, **settings)(params, alone)
+    seqs, scores = jitted(transformer_beam_search, other, **settings)(params, alone)
     np.testing.assert_array_equal(seqs[0], batch_seqs[i])
     np.testing.assert_allclose(scores[0], batch_scores[i], rtol=1e-5, atol=1e-5)
 
@@ -173,8 +182,8 @@ def test_length_limits_and_force_full_length(medium):
   model, params, inputs = medium
   limits = np.sum(inputs > 0, axis=1) + 2
   for force in [False, True]:
-    seqs, scores = jitted(beam_search, model, beam_size=3, alpha=ALPHA, max_extra_length=2,
-                          nbest=3, force_full_length=force)(params, inputs)
+    seqs, scores = jitted(transformer_beam_search, model, beam_size=3, alpha=ALPHA,
+                          max_extra_length=2, nbest=3, force_full_length=force)(params, inputs)
     # The default buffer is source width + max_extra_length (capped by config.max_len).
     assert seqs.shape[-1] == inputs.shape[1] + 2
     check_well_formed(seqs)
@@ -192,21 +201,21 @@ def test_length_limits_and_force_full_length(medium):
 
 def test_greedy_log_probs_match_the_forward_pass(medium):
   model, params, inputs = medium
-  seqs, log_probs = jitted(greedy_search, model, max_decode_len=16)(params, inputs)
+  seqs, log_probs = jitted(transformer_greedy_search, model, max_length=16)(params, inputs)
   check_well_formed(seqs)
   full = forward_log_probs(model, params, inputs, seqs)
   np.testing.assert_allclose(log_probs, full, rtol=1e-4, atol=1e-4)
 
 
 def run_sample(model, params, inputs, seed=0, **kwargs):
-  fn = jitted(sample, model, max_decode_len=16, **kwargs)
+  fn = jitted(transformer_sample, model, max_length=16, **kwargs)
   return tuple(map(np.asarray, fn(params, inputs, jax.random.key(seed))))
 
 
 @pytest.mark.parametrize('settings', [dict(top_k=1), dict(top_p=1e-6), dict(temperature=1e-4)])
 def test_degenerate_sampling_is_greedy(medium, settings):
   model, params, inputs = medium
-  greedy_seqs, _ = jitted(greedy_search, model, max_decode_len=16)(params, inputs)
+  greedy_seqs, _ = jitted(transformer_greedy_search, model, max_length=16)(params, inputs)
   seqs, _ = run_sample(model, params, inputs, num_samples=3, **{'temperature': 2.0, **settings})
   np.testing.assert_array_equal(seqs, np.repeat(np.asarray(greedy_seqs)[:, None], 3, axis=1))
 
@@ -250,26 +259,26 @@ def test_truncated_sampling_stays_in_the_allowed_set(medium, settings):
 
 
 @pytest.mark.parametrize('vocab', [1000, 1021, 600])  # Blocks of 250, 128 (padded), 200.
-def test_best_extensions_equal_top_k_over_every_extension(vocab):
+def test_block_top_k_equals_top_k_over_every_extension(vocab):
   rng = np.random.default_rng(5)
   batch, beam, k = 6, 4, 8
   logits = rng.normal(size=(batch, beam, vocab)).astype(np.float32) * 3
   # Ties within and across hypotheses and blocks, and duplicate hypothesis scores.
   logits[0, :, :] = np.round(logits[0, :, :])
   logits[1, 1] = logits[1, 0]
+  log_probs = jax.nn.log_softmax(jnp.asarray(logits))
   hypothesis_log_probs = rng.normal(size=(batch, beam)).astype(np.float32) - 5
   hypothesis_log_probs[1, 1] = hypothesis_log_probs[1, 0]
   hypothesis_log_probs[2, 1:] = -np.inf  # Step 0: one hypothesis.
+  hypothesis_log_probs = jnp.asarray(hypothesis_log_probs)
   limits = np.array([50, 50, 50, 4, 4, 50], np.int32)  # Sentences 3, 4 at their last step.
   step = jnp.asarray(3, jnp.int32)
   for force_full_length in (False, True):
-    log_probs = decoding._next_log_probs(jnp.asarray(logits), step, jnp.asarray(limits),
-                                         force_full_length)
-    scores = jnp.asarray(hypothesis_log_probs)[:, :, None] + log_probs
-    want_scores, want_flat = jax.lax.top_k(scores.reshape(batch, -1), k)
-    got_scores, got_flat = jax.jit(decoding._best_extensions, static_argnums=(4, 5))(
-        jnp.asarray(logits), jnp.asarray(hypothesis_log_probs), step, jnp.asarray(limits),
-        force_full_length, k)
+    allowed = decoding._allowed_tokens(vocab, step, jnp.asarray(limits), force_full_length)
+    want_scores, want_flat = decoding.top_k_extensions(log_probs, hypothesis_log_probs,
+                                                       allowed, k)
+    got_scores, got_flat = jax.jit(cpu_decoding.block_top_k_extensions, static_argnums=3)(
+        log_probs, hypothesis_log_probs, allowed, k)
     np.testing.assert_array_equal(np.asarray(got_scores), np.asarray(want_scores))
     finite = np.isfinite(np.asarray(want_scores))
     assert finite[:3].all() and not finite[3:5].all()  # Sentences 3, 4: only EOS allowed.
@@ -278,20 +287,102 @@ def test_best_extensions_equal_top_k_over_every_extension(vocab):
 
 
 def test_beam_search_with_vocabulary_blocks_equals_plain_top_k(monkeypatch):
-  model, params = make_model(600, seed=3, scale=1.0, eos_bias=0.0)
+  model, params = make_model(600, seed=3, scale=1.0, eos_bias=0.0, cpu_tuned=True)
   # d_model < vocab: no direction reaches EOS alone; push along its embedding instead.
   eos = np.asarray(params['embed']['embedding'][EOS_ID])
-  params['decoder_layers_1']['feed_forward_sublayer']['norm']['bias'] = jnp.asarray(
+  params['decoder']['layers_1']['feed_forward_sublayer']['norm']['bias'] = jnp.asarray(
       3.0 * eos / (eos @ eos), jnp.float32)
   inputs = random_sources(np.random.default_rng(2), [7, 3, 5, 1, 6, 2], 600)
   # Limits of source length + 4: some sentences also end at theirs, where only EOS is allowed.
-  search = lambda: jax.jit(functools.partial(beam_search, model, beam_size=4, nbest=2,
-                                             max_extra_length=4))(params, inputs)
+  search = lambda: jax.jit(functools.partial(transformer_beam_search, model, beam_size=4,
+                                             nbest=2, max_extra_length=4))(params, inputs)
   blocked = search()
-  monkeypatch.setattr(decoding, '_block_size', lambda vocab: 10**6)  # Plain top_k.
+  monkeypatch.setattr(cpu_decoding, 'block_size', lambda vocab: 10**6)  # Plain top_k.
   plain = search()
   np.testing.assert_array_equal(np.asarray(blocked[0]), np.asarray(plain[0]))
   np.testing.assert_array_equal(np.asarray(blocked[1]), np.asarray(plain[1]))
   lengths = (np.asarray(plain[0]) > 0).sum(-1)
   limits = np.array([7, 3, 5, 1, 6, 2]) + 4
   assert (lengths < limits[:, None]).any() and (lengths == limits[:, None]).any(), lengths
+
+
+# --------------------------------------------------------------------------------------------
+# The generic searches on a model that is not a Transformer, the variants, misuse.
+
+
+def brute_force_trigram(log_table, vocab, max_len, limit, alpha, nbest):
+  """Every sequence of real tokens ending in EOS within `limit`, the best `nbest` by score;
+  log_table[a, b, c] = log p(c | tokens a, b before it), with 0 before the start."""
+  candidates, scores = [], []
+  for n in range(1, min(limit, max_len) + 1):
+    for prefix in itertools.product(range(2, vocab), repeat=n - 1):
+      seq = list(prefix) + [EOS_ID]
+      padded = [0, 0] + seq
+      total = sum(log_table[padded[i], padded[i + 1], padded[i + 2]] for i in range(n))
+      candidates.append(seq + [0] * (max_len - n))
+      scores.append(total / float(length_penalty(n, alpha)))
+  order = np.argsort(-np.array(scores), kind='stable')[:nbest]
+  return np.array(candidates)[order], np.array(scores)[order]
+
+
+def test_generic_beam_search_with_a_trigram_model_equals_brute_force():
+  """Not a Transformer: a trigram table whose cache is each hypothesis' previous token
+  ([batch, beam], reordered by the default gather along the beam axis)."""
+  vocab, max_len, nbest, batch, beam = 5, 5, 3, 3, 64
+  rng = np.random.default_rng(7)
+  raw = rng.normal(size=(vocab, vocab, vocab)).astype(np.float32) * 2
+  raw[..., EOS_ID] -= 1.0  # Outputs of several lengths.
+  log_table = jax.nn.log_softmax(jnp.asarray(raw), axis=-1)
+  limits = np.array([5, 3, 4], np.int32)
+
+  def step_fn(tokens, step, previous):
+    return log_table[previous, tokens], tokens
+
+  previous = jnp.zeros((batch, beam), jnp.int32)
+  seqs, scores = jax.jit(functools.partial(
+      beam_search, step_fn, batch_size=batch, beam_size=beam, max_length=max_len, alpha=ALPHA,
+      nbest=nbest, length_limits=limits))(previous)
+  check_well_formed(seqs)
+  table = np.asarray(log_table, np.float64)
+  for i in range(batch):
+    want_seqs, want_scores = brute_force_trigram(table, vocab, max_len, limits[i], ALPHA, nbest)
+    np.testing.assert_array_equal(np.asarray(seqs[i]), want_seqs)
+    np.testing.assert_allclose(np.asarray(scores[i]), want_scores, rtol=1e-5, atol=1e-5)
+  assert len(set(output_lengths(np.asarray(seqs)).ravel())) > 2
+
+  # Beam 1 with alpha 0 is greedy search, on the same step function.
+  greedy, greedy_scores = greedy_search(step_fn, jnp.zeros((batch, 1), jnp.int32),
+                                        batch_size=batch, max_length=max_len,
+                                        length_limits=limits)
+  beam1, beam1_scores = beam_search(step_fn, jnp.zeros((batch, 1), jnp.int32),
+                                    batch_size=batch, beam_size=1, max_length=max_len,
+                                    alpha=0.0, length_limits=limits)
+  np.testing.assert_array_equal(np.asarray(greedy), np.asarray(beam1[:, 0]))
+  np.testing.assert_allclose(np.asarray(greedy_scores), np.asarray(beam1_scores[:, 0]),
+                             rtol=1e-6)
+
+
+@pytest.mark.parametrize('search', ['beam', 'greedy', 'sample'])
+def test_output_longer_than_the_positional_table_is_an_error(medium, search):
+  model, params, inputs = medium  # max_len 64.
+  fn = {'beam': transformer_beam_search, 'greedy': transformer_greedy_search,
+        'sample': functools.partial(transformer_sample, rng=jax.random.key(0))}[search]
+  with pytest.raises(ValueError, match=r'max_length=65 .*max_len=64'):
+    fn(model, params, inputs, max_length=65)
+  # The default length is capped by max_len: a long source is fine.
+  wide = np.pad(inputs, ((0, 0), (0, 64 - inputs.shape[1])))
+  assert jax.eval_shape(lambda: fn(model, params, wide))[0].shape[-1] == 64
+
+
+@pytest.mark.parametrize('seed', [0, 1])
+def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
+  _, params, inputs = medium
+  model, params = make_model(20, seed=seed, scale=1.0, eos_bias=2.0, cpu_tuned=True)
+  default = Transformer(dataclasses.replace(model.config, cpu_tuned=False))
+  for fn, settings in [(transformer_beam_search, dict(beam_size=4, nbest=2, max_length=16)),
+                       (transformer_greedy_search, dict(max_length=16))]:
+    cpu_seqs, cpu_scores = jitted(fn, model, **settings)(params, inputs)
+    seqs, scores = jitted(fn, default, **settings)(params, inputs)
+    np.testing.assert_array_equal(np.asarray(cpu_seqs), np.asarray(seqs))
+    np.testing.assert_allclose(np.asarray(cpu_scores), np.asarray(scores), rtol=1e-5, atol=1e-5)
+  assert len(set(output_lengths(np.asarray(seqs)))) > 1

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from model import Transformer, TransformerConfig, count_params, sinusoidal_table
+from model import (
+  Transformer,
+  TransformerConfig,
+  count_params,
+  cpu_dropout,
+  cpu_layer_norm,
+  sinusoidal_table,
+)
 from model import transformer as transformer_lib
 
 VOCAB = 53
@@ -204,41 +211,43 @@ def decoding_functions(config: TransformerConfig):
   model = Transformer(config)
 
   @functools.partial(jax.jit, static_argnums=(2, 3))
-  def start(params, inputs, beam_size, max_decode_len):
+  def start(params, inputs, beam_size, max_length):
     encoded = model.apply({'params': params}, inputs, method='encode')
-    return model.apply({'params': params}, encoded, inputs, beam_size, max_decode_len,
+    return model.apply({'params': params}, encoded, inputs, beam_size, max_length,
                        method='init_decode_cache')
 
   @jax.jit
-  def step(params, tokens, step, cache, cache_slots):
-    return model.apply({'params': params}, tokens, step, cache, cache_slots,
-                       method='decode_step')
+  def step(params, tokens, step, cache):
+    return model.apply({'params': params}, tokens, step, cache, method='decode_step')
 
   return start, step
 
 
-class Decoder:
-  """Runs the model's cached decoding for given per-step tokens and cache slots."""
+class CachedDecoder:
+  """Runs the model's cached decoding for given per-step tokens (and, CPU-tuned, slots)."""
 
-  def __init__(self, config, params, inputs, beam_size, max_decode_len):
+  def __init__(self, config, params, inputs, beam_size, max_length):
     self.params = params
     start, self._step = decoding_functions(config)
-    self.cache = start(params, inputs, beam_size, max_decode_len)
+    self.cache = start(params, inputs, beam_size, max_length)
 
   def step(self, tokens, step, cache_slots=None):
+    if cache_slots is not None:  # The CPU-tuned cache's ancestry index.
+      self.cache = {**self.cache, 'slots': cache_slots}
     logits, self.cache = self._step(self.params, jnp.asarray(tokens, jnp.int32),
-                                    jnp.asarray(step, jnp.int32), self.cache, cache_slots)
+                                    jnp.asarray(step, jnp.int32), self.cache)
     return np.asarray(logits)
 
 
-def test_cached_decoding_matches_forward_greedy():
-  config = small_config()
+@pytest.mark.parametrize('cpu_tuned', [True, False])
+def test_cached_decoding_matches_forward_greedy(cpu_tuned):
+  config = small_config(cpu_tuned=cpu_tuned)
   params, forward = init_params(config), make_forward(config)
   rng = np.random.default_rng(4)
   inputs, targets = random_tokens(rng, SRC), random_tokens(rng, TGT)
   inputs[1, 4:] = 0  # A padded source.
   full = np.asarray(forward(params, inputs, targets))
-  decoder = Decoder(config, params, inputs, beam_size=1, max_decode_len=8)
+  decoder = CachedDecoder(config, params, inputs, beam_size=1, max_length=8)
   decoder_inputs = np.pad(targets, ((0, 0), (1, 0)))  # Start symbol 0, then the targets.
   for t in range(targets.shape[1]):
     logits = decoder.step(decoder_inputs[:, t:t + 1], t)
@@ -246,9 +255,10 @@ def test_cached_decoding_matches_forward_greedy():
     assert max_abs(logits[:, 0], full[:, t]) < 1e-4, f'step {t}'
 
 
-def test_cached_decoding_matches_forward_beams():
+@pytest.mark.parametrize('cpu_tuned', [True, False])
+def test_cached_decoding_matches_forward_beams(cpu_tuned):
   # Pre-LN here (post-LN above), so both variants' decoding paths (final norm) are covered.
-  config = small_config(pre_norm=True)
+  config = small_config(pre_norm=True, cpu_tuned=cpu_tuned)
   params, forward = init_params(config), make_forward(config)
   rng = np.random.default_rng(5)
   batch, beam, length = 2, 3, 6
@@ -258,7 +268,7 @@ def test_cached_decoding_matches_forward_beams():
   flat_targets = targets.reshape(batch * beam, length)
   full = np.asarray(forward(params, np.repeat(inputs, beam, axis=0), flat_targets))
   full = full.reshape(batch, beam, length, VOCAB)
-  decoder = Decoder(config, params, inputs, beam_size=beam, max_decode_len=length)
+  decoder = CachedDecoder(config, params, inputs, beam_size=beam, max_length=length)
   decoder_inputs = np.pad(targets, ((0, 0), (0, 0), (1, 0)))
   for t in range(length):
     logits = decoder.step(decoder_inputs[:, :, t], t)
@@ -266,14 +276,15 @@ def test_cached_decoding_matches_forward_beams():
 
 
 def test_cached_decoding_with_cache_slots():
-  """Beam search's reordering by `cache_slots`: hypotheses whose ancestors sit in other slots."""
-  config = small_config()
+  """The CPU-tuned cache's reordering by `slots`: hypotheses whose ancestors sit in other
+  slots."""
+  config = small_config(cpu_tuned=True)
   params, forward = init_params(config), make_forward(config)
   rng = np.random.default_rng(6)
   batch, beam, max_len = 2, 2, 5
   inputs = random_tokens(rng, (batch, 7))
   a, b = random_tokens(rng, (batch, 4)), random_tokens(rng, (batch, 4))
-  decoder = Decoder(config, params, inputs, beam_size=beam, max_decode_len=max_len)
+  decoder = CachedDecoder(config, params, inputs, beam_size=beam, max_length=max_len)
 
   def slots(*ancestors):
     """ancestors[q] = slots of hypothesis q's tokens at steps 0, 1, ...; the rest is unused."""
@@ -314,7 +325,7 @@ def test_cached_decoding_with_cache_slots():
   assert max_abs(logits, expected) < 1e-4
   # The check can fail: the step-2 tokens without the swap in `cache_slots` mismatch the
   # implied swapped sequences.
-  other = Decoder(config, params, inputs, beam_size=beam, max_decode_len=max_len)
+  other = CachedDecoder(config, params, inputs, beam_size=beam, max_length=max_len)
   other.step(np.stack([start, start], 1), 0)
   other.step(np.stack([a[:, 0], b[:, 0]], 1), 1)
   unswapped = other.step(np.stack([b[:, 1], a[:, 1]], 1), 2, slots([0, 0], [1, 1]))
@@ -352,7 +363,7 @@ def test_embedding_scaled_by_sqrt_d_model():
     captured = {}
 
     def record(next_fun, args, kwargs, context):
-      if context.method_name == '__call__' and context.module.name == 'encoder_layers_0':
+      if context.method_name == '__call__' and context.module.name == 'layers_0':
         captured['x'] = args[0]
       return next_fun(*args, **kwargs)
 
@@ -410,7 +421,7 @@ def torch_logits(config: TransformerConfig, params, inputs, targets) -> np.ndarr
   encoder_layers, decoder_layers = [], []
   for i in range(config.num_encoder_layers):
     layer = torch.nn.TransformerEncoderLayer(**kwargs).eval()
-    p = params[f'encoder_layers_{i}']
+    p = params['encoder'][f'layers_{i}']
     copy_attention(layer.self_attn, p['self_attention'], d)
     copy_ffn(layer, p['feed_forward'])
     copy_norm(layer.norm1, p['self_attention_sublayer']['norm'])
@@ -418,7 +429,7 @@ def torch_logits(config: TransformerConfig, params, inputs, targets) -> np.ndarr
     encoder_layers.append(layer)
   for i in range(config.num_decoder_layers):
     layer = torch.nn.TransformerDecoderLayer(**kwargs).eval()
-    p = params[f'decoder_layers_{i}']
+    p = params['decoder'][f'layers_{i}']
     copy_attention(layer.self_attn, p['self_attention'], d)
     copy_attention(layer.multihead_attn, p['cross_attention'], d)
     copy_ffn(layer, p['feed_forward'])
@@ -444,7 +455,7 @@ def torch_logits(config: TransformerConfig, params, inputs, targets) -> np.ndarr
     x = layer(x, src_key_padding_mask=source_pad)
   if config.pre_norm:
     final = torch.nn.LayerNorm(d, eps=config.layer_norm_epsilon)
-    copy_norm(final, params['encoder_norm'])
+    copy_norm(final, params['encoder']['norm'])
     x = final(x)
   y = embed(decoder_inputs)
   for layer in decoder_layers:
@@ -452,7 +463,7 @@ def torch_logits(config: TransformerConfig, params, inputs, targets) -> np.ndarr
               memory_key_padding_mask=source_pad)
   if config.pre_norm:
     final = torch.nn.LayerNorm(d, eps=config.layer_norm_epsilon)
-    copy_norm(final, params['decoder_norm'])
+    copy_norm(final, params['decoder']['norm'])
     y = final(y)
   return (y @ embedding.T).numpy()  # Tied output projection.
 
@@ -614,7 +625,7 @@ def test_config_errors():
 
 def test_dropout_keep_mask_is_bernoulli_and_independent():
   keep_prob, shape = 0.9, (64, 128, 128)  # 1M entries.
-  mask = np.asarray(jax.jit(transformer_lib.dropout_keep_mask, static_argnums=(1, 2))(
+  mask = np.asarray(jax.jit(cpu_dropout.dropout_keep_mask, static_argnums=(1, 2))(
       jax.random.key(0), shape, keep_prob))
   n = mask.size
   sigma = math.sqrt(keep_prob * (1 - keep_prob) / n)
@@ -629,16 +640,16 @@ def test_dropout_keep_mask_is_bernoulli_and_independent():
     correlation = np.corrcoef(flat[:-lag], flat[lag:])[0, 1]
     assert abs(correlation) < 5 / math.sqrt(n), (lag, correlation)
   # Another key gives an independent mask; the same key the same mask.
-  other = np.asarray(transformer_lib.dropout_keep_mask(jax.random.key(1), shape, keep_prob))
+  other = np.asarray(cpu_dropout.dropout_keep_mask(jax.random.key(1), shape, keep_prob))
   both = (mask & other).mean()
   assert abs(both - keep_prob**2) < 5 * math.sqrt(keep_prob**2 * (1 - keep_prob**2) / n)
-  again = np.asarray(transformer_lib.dropout_keep_mask(jax.random.key(0), shape, keep_prob))
+  again = np.asarray(cpu_dropout.dropout_keep_mask(jax.random.key(0), shape, keep_prob))
   assert np.array_equal(mask, again)
 
 
 def test_dropout_module_scales_kept_entries_and_is_off_in_eval():
   x = jax.random.normal(jax.random.key(3), (8, 16, 32))
-  layer = transformer_lib.Dropout(rate=0.25)
+  layer = cpu_dropout.HashDropout(rate=0.25)
   out = np.asarray(layer.apply({}, x, deterministic=False, rngs={'dropout': jax.random.key(4)}))
   kept = out != 0
   np.testing.assert_allclose(out[kept], np.asarray(x)[kept] / 0.75, rtol=1e-6)
@@ -652,14 +663,14 @@ def test_dropout_module_scales_kept_entries_and_is_off_in_eval():
 
 @pytest.mark.parametrize('dtype, atol', [(jnp.float32, 2e-5), (jnp.bfloat16, 5e-2)])
 def test_layer_norm_matches_flax_in_values_and_gradients(dtype, atol):
-  # The model's LayerNorm has a hand-written gradient: it must be nn.LayerNorm's, exactly
+  # The CPU LayerNorm has a hand-written derivative: it must be nn.LayerNorm's, exactly
   # in float32 (up to rounding), on random inputs whose rows have non-zero means.
   keys = jax.random.split(jax.random.key(7), 5)
   x = (jax.random.normal(keys[0], (3, 5, 48)) * 2 + jax.random.normal(keys[1], (3, 5, 1)))
   params = {'scale': 1 + 0.3 * jax.random.normal(keys[2], (48,)),
             'bias': 0.3 * jax.random.normal(keys[3], (48,))}
   cotangent = jax.random.normal(keys[4], x.shape)
-  ours = transformer_lib.LayerNorm(epsilon=1e-6, dtype=dtype)
+  ours = cpu_layer_norm.LayerNorm(epsilon=1e-6, dtype=dtype)
   flax_norm = nn.LayerNorm(epsilon=1e-6, dtype=dtype)
   assert jax.tree_util.tree_structure(ours.init(keys[0], x)) == jax.tree_util.tree_structure(
       flax_norm.init(keys[0], x))

@@ -1,0 +1,175 @@
+"""The Transformer's CPU decoding pieces: a self-attention cache beam search never reorders,
+a loop over a growing cache, and a top-k over vocabulary blocks.
+
+Used by the Transformer's searches when `TransformerConfig.cpu_tuned` is on; each piece is
+measured in BENCHMARKS.md, "Decoding":
+  * The self-attention cache is stored as [batch, heads, head_dim, steps * beam], the layout
+    both of XLA:CPU's attention products read, updated in place. Every hypothesis attends over
+    all beams' entries and a mask keeps its own ancestry, read from `slots` [batch, beam,
+    steps] (the beam slot holding each step's ancestor): beam search reorders this small int
+    index instead of the cache.
+  * Cross-attention keys/values are carried as [batch, heads, head_dim, src_len] behind an
+    optimization barrier, so XLA does not transpose them inside every step.
+  * The loop runs in chunks of `CHUNK_LENGTH` steps over a cache grown between chunks, so
+    early steps attend over a short cache (each chunk compiles its own loop body).
+  * `block_top_k_extensions` finds the best extensions from the maxima of vocabulary blocks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model.cpu_rows import on_rows
+
+Array = jax.Array
+Cache = dict[str, Any]
+
+CHUNK_LENGTH = 8  # Decoding steps per loop body.
+_CARRIED = (0, 2, 3, 1)  # Cross keys/values [batch, src_len, heads, head_dim] -> carried.
+_UNCARRIED = (0, 3, 1, 2)  # And back.
+
+
+def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int, length: int,
+               num_heads: int, head_dim: int, dtype: Any) -> Cache:
+  """The cache for `width` hypotheses per sentence and `length` steps.
+
+  Args:
+    cross: per decoder layer, cross-attention keys and values [batch, src_len, heads, head_dim].
+    encoder_mask: [batch, src_len] bool, True at real source tokens.
+  Returns:
+    {'encoder_mask', 'slots' [batch, width, length] int32, 'layers': per layer 'self_keys',
+    'self_values' [batch, heads, head_dim, length * width] and 'cross_keys', 'cross_values'
+    [batch, heads, head_dim, src_len]}.
+  """
+  batch = encoder_mask.shape[0]
+  empty = jnp.zeros((batch, num_heads, head_dim, length * width), dtype)
+  layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(_CARRIED),
+                 cross_values=values.transpose(_CARRIED)) for keys, values in cross]
+  slots = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
+                           (batch, width, length))
+  return {'encoder_mask': encoder_mask, 'slots': slots, 'layers': layers}
+
+
+def barrier(cache: Cache) -> Cache:
+  """Keeps XLA from sinking the transposes of the cross keys/values into the loop body."""
+  return jax.lax.optimization_barrier(cache)
+
+
+def cross_keys_values(layer_cache: Cache) -> tuple[Array, Array]:
+  """A layer's cross-attention keys, values as [batch, src_len, heads, head_dim]."""
+  return (layer_cache['cross_keys'].transpose(_UNCARRIED),
+          layer_cache['cross_values'].transpose(_UNCARRIED))
+
+
+def self_attention_mask(cache: Cache, step: Array) -> tuple[Array, Cache]:
+  """Which cached entries each hypothesis sees at `step`; marks this step's entry its own.
+
+  Returns the mask [batch, 1, beam, steps * beam] (the cache's order: hypothesis q sees slot s
+  at step t iff its ancestor at t lives in slot s) and the cache with `slots` updated.
+  """
+  slots = cache['slots']
+  batch, beam, steps = slots.shape
+  time = jnp.arange(steps)
+  slots = jnp.where(time == step, jnp.arange(beam, dtype=slots.dtype)[None, :, None], slots)
+  visible = (slots[..., None] == jnp.arange(beam)) & (time <= step)[:, None]
+  return visible.reshape(batch, 1, beam, steps * beam), {**cache, 'slots': slots}
+
+
+def reorder_cache(cache: Cache, parents: Array) -> Cache:
+  """Beam search's reordering: only the slots index [batch, beam, steps] follows `parents`."""
+  slots = jnp.take_along_axis(cache['slots'], parents[:, :, None], axis=1)
+  return {**cache, 'slots': slots}
+
+
+def grow_cache(cache: Cache, length: int) -> Cache:
+  """Pads the self-attention cache and the slots to `length` steps."""
+  slots = cache['slots']
+  width = slots.shape[1]
+  pad = lambda t: jnp.pad(t, [(0, 0)] * 3 + [(0, length * width - t.shape[3])])
+  layers = [{**layer, 'self_keys': pad(layer['self_keys']),
+             'self_values': pad(layer['self_values'])} for layer in cache['layers']]
+  slots = jnp.pad(slots, [(0, 0), (0, 0), (0, length - slots.shape[2])])
+  return {**cache, 'slots': slots, 'layers': layers}
+
+
+def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
+                        mask: Array) -> tuple[Array, Cache]:
+  """One decoding step of `attention` (a bound MultiHeadAttention) over the transposed cache.
+
+  Args:
+    x: [batch, beam, d_model], this step's inputs of every hypothesis.
+    step: scalar int, the position being decoded.
+    layer_cache: 'self_keys'/'self_values' [batch, heads, head_dim, steps * beam].
+    mask: from `self_attention_mask`.
+  Returns:
+    [batch, beam, d_model] and the updated 'self_keys'/'self_values'.
+  """
+  keys, values = attention.project_keys_values(x)  # [batch, beam, heads, head_dim]
+  beam = keys.shape[1]
+  # This step's entries of all slots are contiguous: one in-place update.
+  new = {name: jax.lax.dynamic_update_slice_in_dim(
+      layer_cache[name], update.transpose(0, 2, 3, 1), step * beam, axis=3)
+      for name, update in (('self_keys', keys), ('self_values', values))}
+  head_dim = keys.shape[-1]
+  query = on_rows(attention.query, x) / np.sqrt(head_dim).astype(x.dtype)
+  logits = jnp.einsum('bhqd,bhdk->bhqk', query.transpose(0, 2, 1, 3), new['self_keys'],
+                      preferred_element_type=jnp.float32)
+  weights = attention.weights(logits, mask)
+  context = jnp.einsum('bhdk,bhqk->bhdq', new['self_values'], weights)
+  return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new
+
+
+_BLOCK = 128  # Block size when no divisor of the vocabulary fits.
+
+
+def block_size(vocab: int) -> int:
+  """The largest divisor of `vocab` in [64, 256] (blocks then need no padding copy), or _BLOCK."""
+  return next((b for b in range(256, 63, -1) if vocab % b == 0), _BLOCK)
+
+
+def block_top_k_extensions(log_probs: Array, hypothesis_log_probs: Array, allowed: Array,
+                           k: int) -> tuple[Array, Array]:
+  """`decoding.top_k_extensions` without scoring or sorting every extension; equal, ties and all.
+
+  The maximum of each vocabulary block of each hypothesis (one reduction); the k best blocks
+  by the score of their maximum, which hold the k best extensions (a block holding one of them
+  has a maximum that fewer than k extensions beat, each in its own block); top_k over those k
+  blocks only. Adding a hypothesis' score rounds monotonically, so a block's best score is its
+  maximum's score.
+
+  Args:
+    log_probs: [batch, beam, vocab] float32.
+    hypothesis_log_probs: [batch, beam] float32, -inf for no hypothesis.
+    allowed: [batch, 1, vocab] bool, the tokens the rules allow.
+    k: how many extensions.
+  Returns:
+    scores [batch, k] (best first) and flat indices [batch, k] into [beam, vocab].
+  """
+  batch, beam, vocab = log_probs.shape
+  size = block_size(vocab)
+  masked = jnp.where(allowed, log_probs, -jnp.inf)
+  if k * size >= beam * vocab:  # Small vocabularies: the blocks would be all of it.
+    return jax.lax.top_k((hypothesis_log_probs[:, :, None] + masked).reshape(batch, -1), k)
+  blocks = -(-vocab // size)
+  if blocks * size > vocab:  # Costs a copy of the log-probs: only when no divisor fits.
+    masked = jnp.pad(masked, [(0, 0), (0, 0), (0, blocks * size - vocab)],
+                     constant_values=-jnp.inf)
+  masked = masked.reshape(batch, beam * blocks, size)
+  block_rows = jnp.broadcast_to(jnp.arange(beam * blocks) // blocks, (batch, beam * blocks))
+  block_scores = (jnp.take_along_axis(hypothesis_log_probs, block_rows, axis=1)
+                  + jnp.max(masked, axis=-1))
+  _, best_blocks = jax.lax.top_k(block_scores, k)
+  # In index order, so that top_k breaks ties between blocks as it would on all the scores.
+  best_blocks = jnp.sort(best_blocks, axis=1)
+  candidates = (jnp.take_along_axis(hypothesis_log_probs, best_blocks // blocks, axis=1)[..., None]
+                + jnp.take_along_axis(masked, best_blocks[..., None], axis=1))  # [batch, k, size]
+  scores, position = jax.lax.top_k(candidates.reshape(batch, k * size), k)
+  block = jnp.take_along_axis(best_blocks, position // size, axis=1)
+  # A padding entry (-inf) is only chosen when fewer than k extensions are allowed; any
+  # -inf pick is as good as another, so clamp it into the vocabulary.
+  token = jnp.minimum((block % blocks) * size + position % size, vocab - 1)
+  return scores, (block // blocks) * vocab + token
