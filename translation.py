@@ -24,7 +24,7 @@ import console
 import input_pipeline
 import sharding
 from configs import multi30k
-from model import Transformer, TransformerConfig, transformer_beam_search
+from model import Transformer, TransformerConfig, transformer_beam_search, upgrade_params
 
 # config.json of runs written before the config had groups: old key -> (group, key).
 _LEGACY_KEYS = {
@@ -89,8 +89,13 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, input_pipeline.To
 
 def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
                 average: int = 0) -> tuple[Any, str]:
-  """The run's parameters replicated over `mesh`, and where they came from (see checkpoints)."""
-  return checkpoints.load_params(workdir, checkpoint, average, sharding.replicated(mesh))
+  """The run's parameters replicated over `mesh`, and where they came from (see checkpoints).
+
+  Runs saved with an earlier parameter layout are mapped to today's (`model.upgrade_params`).
+  """
+  params, origin = checkpoints.load_params(workdir, checkpoint, average,
+                                           sharding.replicated(mesh))
+  return upgrade_params(params), origin
 
 
 class Translator:
