@@ -155,26 +155,36 @@ def _local_sharding() -> jax.sharding.Sharding:
   return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
-def restore_params(manager: ocp.CheckpointManager, step: int,
+def saved_steps(workdir: str) -> list[int]:
+  """The steps of the run's complete checkpoints, oldest first (orbax renames a checkpoint to
+  its step number only once it is complete; set-aside ones are `N.damaged`)."""
+  folder = os.path.join(workdir, CHECKPOINT_DIR)
+  if not os.path.isdir(folder):
+    raise FileNotFoundError(f'No checkpoints in {folder}: is {workdir} a training workdir, and '
+                            'has training saved a checkpoint yet?')
+  return sorted(int(name) for name in os.listdir(folder)
+                if name.isdigit() and os.path.isdir(os.path.join(folder, name)))
+
+
+def restore_params(workdir: str, step: int,
                    sharding: jax.sharding.Sharding | None = None) -> Any:
   """The params of checkpoint `step`, laid out as `sharding` (default: one local device)."""
-  path = os.path.join(str(manager.directory), str(step), 'params')
+  path = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR, str(step), 'params'))
   return _restore_tree(path, sharding or _local_sharding())
 
 
 def average_last(workdir: str, num_checkpoints: int) -> tuple[Any, list[int]]:
   """Element-wise mean (float32, host numpy) of the params of the newest checkpoints."""
-  manager = make_manager(workdir, read_only=True)
-  steps = sorted(manager.all_steps())[-num_checkpoints:]
+  steps = saved_steps(workdir)[-num_checkpoints:]
   if not steps:
-    raise FileNotFoundError(f'No checkpoints in {manager.directory}: train first.')
+    raise FileNotFoundError(f'No checkpoints in {workdir}/{CHECKPOINT_DIR}: train first.')
   if len(steps) < num_checkpoints:
     logging.warning('Asked to average %d checkpoints; only %d exist (steps %s).',
                     num_checkpoints, len(steps), steps)
   total = None
   for step in steps:
     params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64),
-                                    restore_params(manager, step))
+                                    restore_params(workdir, step))
     total = params if total is None else jax.tree_util.tree_map(np.add, total, params)
   averaged = jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)
   return averaged, steps
@@ -212,11 +222,7 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
                               f'--workdir {workdir} --average_last N` first.')
     return _restore_tree(path, sharding), f'averaged checkpoint {path}'
   checkpoint_dir = os.path.join(workdir, CHECKPOINT_DIR)
-  if not os.path.isdir(checkpoint_dir):
-    raise FileNotFoundError(f'No checkpoints in {checkpoint_dir}: is {workdir} a training '
-                            'workdir, and has training saved a checkpoint yet?')
-  manager = make_manager(workdir, read_only=True)
-  steps = sorted(manager.all_steps())
+  steps = saved_steps(workdir)
   if not steps:
     raise FileNotFoundError(f'No checkpoints in {checkpoint_dir}: train first.')
   if checkpoint is not None and not str(checkpoint).isdigit():
@@ -224,7 +230,7 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
   step = steps[-1] if checkpoint is None else int(checkpoint)
   if step not in steps:
     raise FileNotFoundError(f'No checkpoint at step {step} in {checkpoint_dir}; have {steps}.')
-  return restore_params(manager, step, sharding), f'step {step}'
+  return restore_params(workdir, step, sharding), f'step {step}'
 
 
 def main(argv):

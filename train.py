@@ -488,6 +488,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       last_metrics.update(nonfinite_skipped_total=int(state['nonfinite_total']),
                           wall_minutes=(time.time() - loop_start) / 60)
       pending, untimed = [], 0
+      # The loop's own ETA, not clu's ReportProgress: that one reports through work-unit notes
+      # and counts compilation and evaluation time in its rate.
       eta = last_metrics['seconds_per_step'] * (last_step - step)
       logging.info('step %d/%d | loss %.3f | nll %.3f | acc %.3f | lr %.2e | %s tok/s | '
                    '%.3f s/step | ETA %s', step, last_step, last_metrics['train_loss'],

@@ -100,8 +100,7 @@ def test_decode_errors_are_clear(workdir, tmp_path):
 
 
 def test_checkpoint_averaging(workdir):
-  manager = checkpoints.make_manager(workdir, read_only=True)
-  steps = sorted(manager.all_steps())[-2:]
+  steps = checkpoints.saved_steps(workdir)[-2:]
   assert len(steps) == 2
   by_step = [checkpoints.load_params(workdir, step)[0] for step in steps]
   averaged = checkpoints.save_averaged(workdir, 2)
