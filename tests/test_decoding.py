@@ -376,7 +376,7 @@ def test_output_longer_than_the_positional_table_is_an_error(medium, search):
 
 @pytest.mark.parametrize('seed', [0, 1])
 def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
-  _, params, inputs = medium
+  inputs = medium[2]
   model, params = make_model(20, seed=seed, scale=1.0, eos_bias=2.0, cpu_tuned=True)
   default = Transformer(dataclasses.replace(model.config, cpu_tuned=False))
   for fn, settings in [(transformer_beam_search, dict(beam_size=4, nbest=2, max_length=16)),
