@@ -140,7 +140,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
       that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
       along axis 1.
-    top_k_extensions: same signature and results as `top_k_extensions` (a faster variant).
+    top_k_extensions: same signature and results as `top_k_extensions` (the CPU variant:
+      `cpu_decoding.block_top_k_extensions`).
     chunk_length, grow_cache: run the loop in pieces; see `_while_loop`.
   Returns:
     sequences [batch, nbest, max_length] int32, best first, each ending in EOS then 0s;
