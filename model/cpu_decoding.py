@@ -132,17 +132,19 @@ def block_size(vocab: int) -> int:
 
 
 def block_top_k_extensions(log_probs: Array, hypothesis_log_probs: Array, allowed: Array,
-                           k: int) -> tuple[Array, Array]:
+                           k: int, from_logits: bool = False) -> tuple[Array, Array]:
   """`decoding.top_k_extensions` without scoring or sorting every extension; equal, ties and all.
 
   The maximum of each vocabulary block of each hypothesis (one reduction); the k best blocks
   by the score of their maximum, which hold the k best extensions (a block holding one of them
   has a maximum that fewer than k extensions beat, each in its own block); top_k over those k
-  blocks only. Adding a hypothesis' score rounds monotonically, so a block's best score is its
+  blocks only. A score rounds monotonically in its input, so a block's best score is its
   maximum's score.
 
   Args:
-    log_probs: [batch, beam, vocab] float32.
+    log_probs: [batch, beam, vocab] float32; with `from_logits`, logits instead, normalised
+      here for the selected blocks only (with `jax.nn.log_softmax`'s arithmetic, so the scores
+      are bit-identical): the Transformer's CPU beam search passes logits.
     hypothesis_log_probs: [batch, beam] float32, -inf for no hypothesis.
     allowed: [batch, 1, vocab] bool, the tokens the rules allow.
     k: how many extensions.
@@ -151,22 +153,34 @@ def block_top_k_extensions(log_probs: Array, hypothesis_log_probs: Array, allowe
   """
   batch, beam, vocab = log_probs.shape
   size = block_size(vocab)
-  masked = jnp.where(allowed, log_probs, -jnp.inf)
   if k * size >= beam * vocab:  # Small vocabularies: the blocks would be all of it.
-    return jax.lax.top_k((hypothesis_log_probs[:, :, None] + masked).reshape(batch, -1), k)
+    if from_logits:
+      log_probs = jax.nn.log_softmax(log_probs, axis=-1)
+    scores = hypothesis_log_probs[:, :, None] + jnp.where(allowed, log_probs, -jnp.inf)
+    return jax.lax.top_k(scores.reshape(batch, -1), k)
+  if from_logits:
+    row_max = jnp.max(log_probs, axis=-1)  # [batch, beam]
+    shifted_log_sum = jnp.log(jnp.sum(jnp.exp(log_probs - row_max[..., None]), axis=-1))
   blocks = -(-vocab // size)
+  masked = jnp.where(allowed, log_probs, -jnp.inf)
   if blocks * size > vocab:  # Costs a copy of the log-probs: only when no divisor fits.
     masked = jnp.pad(masked, [(0, 0), (0, 0), (0, blocks * size - vocab)],
                      constant_values=-jnp.inf)
   masked = masked.reshape(batch, beam * blocks, size)
+
+  def score(x: Array, rows: Array) -> Array:  # x [batch, n, ...] of hypotheses rows [batch, n].
+    take = lambda t: jnp.take_along_axis(t, rows, axis=1).reshape(
+        rows.shape + (1,) * (x.ndim - 2))
+    if from_logits:
+      x = (x - take(row_max)) - take(shifted_log_sum)
+    return take(hypothesis_log_probs) + x
+
   block_rows = jnp.broadcast_to(jnp.arange(beam * blocks) // blocks, (batch, beam * blocks))
-  block_scores = (jnp.take_along_axis(hypothesis_log_probs, block_rows, axis=1)
-                  + jnp.max(masked, axis=-1))
-  _, best_blocks = jax.lax.top_k(block_scores, k)
+  _, best_blocks = jax.lax.top_k(score(jnp.max(masked, axis=-1), block_rows), k)
   # In index order, so that top_k breaks ties between blocks as it would on all the scores.
   best_blocks = jnp.sort(best_blocks, axis=1)
-  candidates = (jnp.take_along_axis(hypothesis_log_probs, best_blocks // blocks, axis=1)[..., None]
-                + jnp.take_along_axis(masked, best_blocks[..., None], axis=1))  # [batch, k, size]
+  candidates = score(jnp.take_along_axis(masked, best_blocks[..., None], axis=1),
+                     best_blocks // blocks)  # [batch, k, size]
   scores, position = jax.lax.top_k(candidates.reshape(batch, k * size), k)
   block = jnp.take_along_axis(best_blocks, position // size, axis=1)
   # A padding entry (-inf) is only chosen when fewer than k extensions are allowed; any

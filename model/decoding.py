@@ -28,6 +28,7 @@ Optional hooks let a model tune the loop (the Transformer's CPU variant uses the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -140,7 +141,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
       that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
       along axis 1.
-    top_k_extensions: same signature and results as `top_k_extensions` (a faster variant).
+    top_k_extensions: same signature and results as `top_k_extensions` (the CPU variant:
+      `cpu_decoding.block_top_k_extensions`).
     chunk_length, grow_cache: run the loop in pieces; see `_while_loop`.
   Returns:
     sequences [batch, nbest, max_length] int32, best first, each ending in EOS then 0s;
@@ -320,14 +322,15 @@ def _reorder_transformer_cache(cache: dict[str, Any], parents: Array) -> dict[st
 
 
 def transformer_search_setup(model: Transformer, params: Any, inputs: Array, width: int,
-                             max_length: int | None, max_extra_length: int
-                             ) -> tuple[StepFn, Any, dict[str, Any]]:
+                             max_length: int | None, max_extra_length: int,
+                             beam: bool = False) -> tuple[StepFn, Any, dict[str, Any]]:
   """The step function, initial cache and search settings to decode `inputs` with `model`.
 
   Encodes the source (once per sentence) and builds the cache for `width` hypotheses per
   sentence. Returns (step_fn, cache, settings): settings holds batch_size, max_length,
-  length_limits and, per `config.cpu_tuned`, the hooks (`reorder_cache` for beam search only,
-  `top_k_extensions`, `chunk_length`, `grow_cache`).
+  length_limits and, per `config.cpu_tuned`, the hooks (with `beam`: `reorder_cache` and
+  `top_k_extensions`; `chunk_length`, `grow_cache`). CPU-tuned beam search pairs a step
+  function returning logits with a top-k hook that normalises only the blocks it selects.
   """
   config = model.config
   inputs = jnp.asarray(inputs)
@@ -346,21 +349,20 @@ def transformer_search_setup(model: Transformer, params: Any, inputs: Array, wid
       m.encode(x), x, width, cache_length))
   if cpu_tuned:
     cache = cpu_decoding.barrier(cache)
-    settings.update(reorder_cache=cpu_decoding.reorder_cache,
-                    top_k_extensions=cpu_decoding.block_top_k_extensions,
-                    chunk_length=cpu_decoding.CHUNK_LENGTH, grow_cache=cpu_decoding.grow_cache)
-  else:
+    settings.update(chunk_length=cpu_decoding.CHUNK_LENGTH, grow_cache=cpu_decoding.grow_cache)
+    if beam:
+      settings.update(reorder_cache=cpu_decoding.reorder_cache,
+                      top_k_extensions=functools.partial(cpu_decoding.block_top_k_extensions,
+                                                         from_logits=True))
+  elif beam:
     settings.update(reorder_cache=_reorder_transformer_cache)
+  logits_only = cpu_tuned and beam
 
   def step_fn(tokens, step, cache):
     logits, cache = model.apply(variables, tokens, step, cache, method='decode_step')
-    return jax.nn.log_softmax(logits, axis=-1), cache
+    return (logits if logits_only else jax.nn.log_softmax(logits, axis=-1)), cache
 
   return step_fn, cache, settings
-
-
-def _without(settings: dict[str, Any], *names: str) -> dict[str, Any]:
-  return {k: v for k, v in settings.items() if k not in names}
 
 
 def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
@@ -375,7 +377,7 @@ def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
   Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32.
   """
   step_fn, cache, settings = transformer_search_setup(
-      model, params, inputs, beam_size, max_length, max_extra_length)
+      model, params, inputs, beam_size, max_length, max_extra_length, beam=True)
   return beam_search(step_fn, cache, beam_size=beam_size, alpha=alpha, nbest=nbest,
                      force_full_length=force_full_length, **settings)
 
@@ -389,8 +391,7 @@ def transformer_greedy_search(model: Transformer, params: Any, inputs: Array, *,
   """
   step_fn, cache, settings = transformer_search_setup(
       model, params, inputs, 1, max_length, max_extra_length)
-  return greedy_search(step_fn, cache, force_full_length=force_full_length,
-                       **_without(settings, 'reorder_cache', 'top_k_extensions'))
+  return greedy_search(step_fn, cache, force_full_length=force_full_length, **settings)
 
 
 def transformer_sample(model: Transformer, params: Any, inputs: Array, rng: Array, *,
@@ -406,5 +407,4 @@ def transformer_sample(model: Transformer, params: Any, inputs: Array, rng: Arra
   step_fn, cache, settings = transformer_search_setup(
       model, params, inputs, num_samples, max_length, max_extra_length)
   return sample(step_fn, cache, rng, num_samples=num_samples, temperature=temperature,
-                top_k=top_k, top_p=top_p, force_full_length=force_full_length,
-                **_without(settings, 'reorder_cache', 'top_k_extensions'))
+                top_k=top_k, top_p=top_p, force_full_length=force_full_length, **settings)

@@ -277,13 +277,17 @@ def test_block_top_k_equals_top_k_over_every_extension(vocab):
     allowed = decoding._allowed_tokens(vocab, step, jnp.asarray(limits), force_full_length)
     want_scores, want_flat = decoding.top_k_extensions(log_probs, hypothesis_log_probs,
                                                        allowed, k)
-    got_scores, got_flat = jax.jit(cpu_decoding.block_top_k_extensions, static_argnums=3)(
-        log_probs, hypothesis_log_probs, allowed, k)
-    np.testing.assert_array_equal(np.asarray(got_scores), np.asarray(want_scores))
     finite = np.isfinite(np.asarray(want_scores))
     assert finite[:3].all() and not finite[3:5].all()  # Sentences 3, 4: only EOS allowed.
-    np.testing.assert_array_equal(np.asarray(got_flat)[finite], np.asarray(want_flat)[finite])
-    assert np.asarray(got_flat).max() < beam * vocab
+    # From log-probs, and from logits (the Transformer's CPU beam search) normalised inside.
+    for scores, from_logits in [(log_probs, False), (jnp.asarray(logits), True)]:
+      got_scores, got_flat = jax.jit(cpu_decoding.block_top_k_extensions,
+                                     static_argnums=(3, 4))(
+          scores, hypothesis_log_probs, allowed, k, from_logits)
+      np.testing.assert_array_equal(np.asarray(got_scores), np.asarray(want_scores))
+      np.testing.assert_array_equal(np.asarray(got_flat)[finite],
+                                    np.asarray(want_flat)[finite])
+      assert np.asarray(got_flat).max() < beam * vocab
 
 
 def test_beam_search_with_vocabulary_blocks_equals_plain_top_k(monkeypatch):
@@ -376,7 +380,7 @@ def test_output_longer_than_the_positional_table_is_an_error(medium, search):
 
 @pytest.mark.parametrize('seed', [0, 1])
 def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
-  _, params, inputs = medium
+  inputs = medium[2]
   model, params = make_model(20, seed=seed, scale=1.0, eos_bias=2.0, cpu_tuned=True)
   default = Transformer(dataclasses.replace(model.config, cpu_tuned=False))
   for fn, settings in [(transformer_beam_search, dict(beam_size=4, nbest=2, max_length=16)),
