@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.matmul_peak import matmul_peak_gflops
 from model import (
     Transformer,
     TransformerConfig,
@@ -30,15 +31,6 @@ from model import (
 PEER_SENTENCES_PER_S = 27.5
 PEER_PEAK_GFLOPS = 204.0
 BATCH, SOURCE_LEN, STEPS, BEAM, ALPHA = 32, 24, 39, 4, 0.6
-
-
-def matmul_peak_gflops(size: int = 2048, repeats: int = 10) -> float:
-  """Best GFLOP/s of a jitted float32 size^3 matmul."""
-  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
-  matmul = jax.jit(jnp.matmul)
-  matmul(a, a).block_until_ready()
-  best = min(_timed(matmul, a, a) for _ in range(repeats))
-  return 2 * size**3 / best / 1e9
 
 
 def _timed(fn, *args) -> float:
