@@ -38,8 +38,9 @@ def test_a_training_run_prints_its_own_lines(tmp_path):
   """Before: 322 of the default run's ~450 lines were orbax internals."""
   result = subprocess.run(
       [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
-       '--config.num_train_steps=10'], cwd=REPO, capture_output=True, text=True, timeout=600,
-      env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
+       '--config.num_train_steps=10', '--config.eval.every_steps=1000',
+       '--config.eval.bleu_every_steps=1000'], cwd=REPO, capture_output=True, text=True,
+      timeout=600, env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stderr.splitlines()
   info = [line for line in lines if line.startswith('I')]
