@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
+from etils import epath
 from jax.experimental import multihost_utils
 
 import console
@@ -74,11 +75,15 @@ def parameter_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
                                 len(differences) > limit else [])
 
 
-def _saved_params(manager: ocp.CheckpointManager, step: int) -> Any:
-  """The params item's tree of array metadata (shape, dtype) of checkpoint `step`."""
-  path = os.path.join(str(manager.directory), str(step), 'params')
-  tree = ocp.StandardCheckpointer().metadata(path).item_metadata
+def _saved_tree(path: str) -> Any:
+  """The tree of array metadata (shape, dtype) of a saved item (a StandardSave folder)."""
+  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path))
   return getattr(tree, 'tree', tree)
+
+
+def _saved_params(manager: ocp.CheckpointManager, step: int) -> Any:
+  """The params item's tree of array metadata of checkpoint `step`."""
+  return _saved_tree(os.path.join(str(manager.directory), str(step), 'params'))
 
 
 def restore_latest(manager: ocp.CheckpointManager, abstract_params: Any,
@@ -142,12 +147,12 @@ def _restore_tree(path: str, sharding: jax.sharding.Sharding) -> Any:
   The targets come from the saved metadata (shapes, dtypes) with the caller's sharding, so the
   devices the arrays were saved from do not matter.
   """
-  checkpointer = ocp.StandardCheckpointer()
-  tree = checkpointer.metadata(path).item_metadata
-  tree = getattr(tree, 'tree', tree)
   targets = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding), tree)
-  return checkpointer.restore(path, targets)
+      lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding),
+      _saved_tree(path))
+  # The item's handler itself: a Checkpointer would look for step-level metadata and warn.
+  return ocp.StandardCheckpointHandler().restore(epath.Path(path),
+                                                 args=ocp.args.StandardRestore(targets))
 
 
 def _local_sharding() -> jax.sharding.Sharding:

@@ -509,7 +509,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       interval_start = time.time()
 
     run_eval = is_time(step, config.eval.every_steps, last_step)
-    run_bleu = is_time(step, config.eval.bleu_every_steps, last_step)
+    run_bleu = bleu_count > 0 and is_time(step, config.eval.bleu_every_steps, last_step)
     if run_eval or run_bleu:
       eval_metrics = {}
       if run_eval:

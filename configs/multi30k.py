@@ -85,7 +85,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.eval = ml_collections.ConfigDict()
   config.eval.every_steps = 250  # Loss, perplexity and accuracy on data.eval_split.
   config.eval.bleu_every_steps = 500
-  config.eval.bleu_sentences = 256  # The first N sentences of data.eval_split.
+  config.eval.bleu_sentences = 256  # The first N of data.eval_split; 0: no BLEU.
 
   # Beam search (decode.py and BLEU during training).
   config.decode = ml_collections.ConfigDict()

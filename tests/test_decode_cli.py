@@ -29,7 +29,7 @@ def workdir(tmp_path_factory):
   config.num_train_steps = 12
   config.checkpoint_every_steps = 4
   config.eval.every_steps = 1000
-  config.eval.bleu_every_steps = 1000
+  config.eval.bleu_sentences = 0
   train.train_and_evaluate(config, str(path))
   return str(path)
 

@@ -341,7 +341,7 @@ def _final_params(workdir):
 
 @needs_multi30k
 def test_resume_equals_uninterrupted_run(tmp_path):
-  config = small_config({'model.dropout_rate': 0.1, 'eval.bleu_every_steps': 1000,
+  config = small_config({'model.dropout_rate': 0.1, 'eval.bleu_sentences': 0,
                          'num_train_steps': 16, 'checkpoint_every_steps': 4,
                          'eval.every_steps': 1000})
   straight = tmp_path / 'straight'
@@ -364,7 +364,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 @needs_multi30k
 @pytest.mark.parametrize('signum', [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, signum):
-  config = small_config({'eval.bleu_every_steps': 1000, 'num_train_steps': 100_000,
+  config = small_config({'eval.bleu_sentences': 0, 'num_train_steps': 100_000,
                          'eval.every_steps': 100_000, 'checkpoint_every_steps': 100_000})
   metrics_file = tmp_path / 'metrics.jsonl'
   done = threading.Event()
@@ -387,7 +387,7 @@ def test_sigterm_saves_a_checkpoint_and_stops(tmp_path, signum):
 
 @needs_multi30k
 def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog):
-  config = small_config({'eval.bleu_every_steps': 1000, 'num_train_steps': 8,
+  config = small_config({'eval.bleu_sentences': 0, 'num_train_steps': 8,
                          'checkpoint_every_steps': 4, 'eval.every_steps': 1000})
   train.train_and_evaluate(config, str(tmp_path))
   latest = tmp_path / 'checkpoints' / '8'
@@ -403,6 +403,7 @@ def test_corrupted_latest_checkpoint_falls_back_with_a_warning(tmp_path, caplog)
     result = train.train_and_evaluate(config, str(tmp_path))
   assert 'cannot be restored' in caplog.text
   assert result['step'] == 10
+  assert 'eval_nll' in result['metrics'] and 'eval_bleu' not in result['metrics']  # 0 sentences.
   assert (tmp_path / 'checkpoints' / '8.damaged').is_dir()
   assert not math.isnan(result['metrics']['train_loss'])
 
@@ -412,7 +413,7 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_
   # A learning rate of ~1e28 makes the first update blow the parameters up; every later step
   # then has a non-finite loss and is skipped, until the streak reaches the limit.
   config = small_config({'optimizer.learning_rate_scale': 1e30,
-                         'optimizer.max_consecutive_nonfinite': 3, 'eval.bleu_every_steps': 1000,
+                         'optimizer.max_consecutive_nonfinite': 3, 'eval.bleu_sentences': 0,
                          'num_train_steps': 40, 'log_every_steps': 5, 'checkpoint_every_steps': 2,
                          'eval.every_steps': 1000})
   with pytest.raises(FloatingPointError, match='consecutive steps had a non-finite') as error:
@@ -466,7 +467,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   overrides = ['--config.num_train_steps=400', '--config.checkpoint_every_steps=100',
-               '--config.eval.every_steps=1000', '--config.eval.bleu_every_steps=1000',
+               '--config.eval.every_steps=1000', '--config.eval.bleu_sentences=0',
                '--config.model.dropout_rate=0.1']
 
   def command(workdir):
@@ -494,7 +495,7 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
 def test_resume_with_another_model_config_stops_clearly_and_sets_nothing_aside(tmp_path):
   """Before: a shape mismatch counted as damage; every checkpoint was renamed N.damaged and
   training restarted from step 0."""
-  config = small_config({'eval.bleu_every_steps': 1000, 'num_train_steps': 4,
+  config = small_config({'eval.bleu_sentences': 0, 'num_train_steps': 4,
                          'checkpoint_every_steps': 2, 'eval.every_steps': 1000})
   train.train_and_evaluate(config, str(tmp_path))
   config.model.d_model = 48
