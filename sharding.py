@@ -71,9 +71,8 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
 
 
 def with_shardings(abstract_tree: Any, shardings: Any) -> Any:
-  """ShapeDtypeStructs carrying target shardings: what restores read into."""
-  if isinstance(shardings, jax.sharding.Sharding):
-    shardings = jax.tree_util.tree_map(lambda _: shardings, abstract_tree)
+  """ShapeDtypeStructs (of arrays or abstract values) carrying target shardings: what restores
+  read into."""
   return jax.tree_util.tree_map(
       lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract_tree, shardings)
 

@@ -374,10 +374,11 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   rng = jax.random.PRNGKey(config.seed)
   shardings = sharding.state_shardings(jax.eval_shape(init_state, rng), mesh)
   state = jax.jit(init_state, out_shardings=shardings)(rng)
-  abstract = lambda tree: jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+  optimizer_keys = ('opt_state', 'rng')
   restored = checkpoints.restore_latest(
-      manager, abstract(state['params']), abstract({k: state[k] for k in ('opt_state', 'rng')}))
+      manager, sharding.with_shardings(state['params'], shardings['params']),
+      sharding.with_shardings({k: state[k] for k in optimizer_keys},
+                              {k: shardings[k] for k in optimizer_keys}))
   if restored is None:
     return state, shardings, None
   params, optimizer_item, meta = restored
