@@ -160,6 +160,8 @@ class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   touches the network then), else downloads the gzip'd originals and gunzips them.
   Pinned checksums are sha256 of the *unzipped* files (computed from the unzipped
   originals; the .gz checksums could not be computed offline), verified after gunzip.
+  A local copy is prepared under a builder config named by a fingerprint of its folder and
+  files (as ParallelTextFolder's), so editing or replacing the files prepares a fresh copy.
   """
 
   VERSION = tfds.core.Version('1.0.0')
@@ -180,7 +182,15 @@ class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def __init__(self, *, local_dir: str | None = None, **kwargs: Any):
     self._local_dir = local_dir
-    super().__init__(**kwargs)
+    name = 'release'
+    if local_dir:
+      h = hashlib.sha256(os.path.abspath(local_dir).encode())
+      for file in self.SHA256:
+        path = os.path.join(local_dir, file)
+        st = os.stat(path) if os.path.isfile(path) else None
+        h.update(f'{file}:{st and st.st_size}:{st and st.st_mtime_ns}'.encode())
+      name = 'local_' + h.hexdigest()[:16]
+    super().__init__(config=tfds.core.BuilderConfig(name=name), **kwargs)
 
   def _info(self) -> tfds.core.DatasetInfo:
     return tfds.core.DatasetInfo(

@@ -414,3 +414,25 @@ def test_length_batches_single_side_and_length_multiple():
   batches = ip.length_batches({'inputs': seqs}, max_batch_tokens=64, length_multiple=16)
   assert [(idx.tolist(), a['inputs'].shape) for idx, a in batches] == [
       ([0, 2, 3, 4], (4, 16)), ([1], (1, 32))]
+
+
+@needs_multi30k
+def test_multi30k_local_copy_is_prepared_again_when_its_files_change(tmp_path, monkeypatch):
+  """Before: once prepared, the TFDS cache was read whatever MULTI30K_DIR then held."""
+  local = tmp_path / 'multi30k'
+  local.mkdir()
+  for name in ip.Multi30k.SHA256:
+    (local / name).write_bytes((MULTI30K / name).read_bytes())
+  monkeypatch.setenv(ip.MULTI30K_ENV, str(local))
+  config = multi30k.get_config()
+  config.data.data_dir = str(tmp_path / 'tfds')
+  assert ip.read_split(config, 'val')[1][0] == ip.read_lines(MULTI30K / 'val.de')[0].strip()
+  lines = ip.read_lines(local / 'val.de')
+  (local / 'val.de').write_text('\n'.join(['Ein geänderter Satz.'] + lines[1:]) + '\n',
+                                encoding='utf-8')
+  assert ip.read_split(config, 'val')[1][:2] == ['Ein geänderter Satz.', lines[1].strip()]
+  # An emptied folder is an error naming the missing files, not the old cache.
+  for name in ip.Multi30k.SHA256:
+    (local / name).unlink()
+  with pytest.raises(FileNotFoundError, match=r'lacks.*train\.en'):
+    ip.read_split(config, 'val')
