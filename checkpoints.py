@@ -1,11 +1,18 @@
-"""Checkpoints of a training run with orbax: save, resume with fallback, average, load for decoding.
+"""Checkpoints of a training run with orbax: save, verified restore with fallback, averaging.
 
 A checkpoint holds three items: `params`, `optimizer` (optimizer state and training RNG) and
-`meta` (step, data-iterator position, skip counters) as JSON. Orbax writes each step to a
-temporary folder and renames it when complete, so a crash mid-write never leaves a checkpoint
-that restores garbage; a damaged checkpoint is skipped on restore with a warning. Every restore
-reads straight into the caller's device layout (target shardings), so a run trained on N devices
-decodes, averages and resumes on M.
+`meta` (step, data-iterator position, skip counters, and a checksum of every saved array) as
+JSON. Orbax writes each step to a temporary folder and renames it when complete, so a crash
+mid-write never leaves a checkpoint that looks complete.
+
+Every restore (training, decoding, averaging, `--init_params_from`) goes through
+`read_checkpoint`: it compares the saved shapes with the model's (a mismatch is the user's
+config, `CheckpointMismatchError`, and changes nothing), restores, and recomputes each array's
+checksum (a difference, or files orbax cannot read, is damage: `DamagedCheckpointError`).
+`restore_newest` falls back from a damaged checkpoint to the next older one with a one-line
+warning; training also renames it `N.damaged` (kept, never deleted), readers leave it in place.
+Restores read straight into the caller's device layout (target shardings), so a run trained on
+N devices decodes, averages and resumes on M.
 
 Averaging (the paper averaged the last 5 checkpoints of base models, 20 of big ones):
 
@@ -16,13 +23,15 @@ writes `WORKDIR/averaged/` which `decode.py --checkpoint averaged` reads.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import shutil
 import sys
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
@@ -33,6 +42,79 @@ import console
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
+T = TypeVar('T')
+
+
+class CheckpointMismatchError(ValueError):
+  """Readable checkpoints whose arrays do not fit the model or optimizer being restored."""
+
+
+class DamagedCheckpointError(Exception):
+  """A checkpoint that cannot be read back as it was saved (files missing, unreadable, or
+  arrays whose checksums differ from the ones recorded at saving)."""
+
+
+# ----------------------------------------------------------------------------- checksums
+
+# Two independent 32-bit sums per array: a changed value goes unnoticed with odds 2^-64.
+_CHECKSUM_SEEDS = (0x9E3779B9, 0x85EBCA6B)
+
+
+def _mix(x: jax.Array) -> jax.Array:
+  """A 32-bit integer hash (murmur3's finaliser) applied elementwise to uint32."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x85EBCA6B)
+  x = x ^ (x >> 13)
+  x = x * jnp.uint32(0xC2B2AE35)
+  return x ^ (x >> 16)
+
+
+@jax.jit
+def _array_checksum(x: jax.Array) -> jax.Array:
+  """[2] uint32: sums of hash(bits, flat index) over the array's elements.
+
+  Sums modulo 2^32 do not depend on the order of the additions, so the result is the same
+  whatever the array's sharding and however many devices hold it.
+  """
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    x = x.astype(jnp.uint8)
+  width = x.dtype.itemsize * 8
+  bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{width}')).astype(jnp.uint32)
+  # The flat (row-major) index from per-axis iotas: no reshape, so no resharding.
+  index = jnp.zeros(x.shape, jnp.uint32)
+  stride = 1
+  for axis in reversed(range(x.ndim)):
+    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
+    stride = (stride * x.shape[axis]) % 2**32
+  return jnp.stack([jnp.sum(_mix(bits ^ _mix(index + jnp.uint32(seed))), dtype=jnp.uint32)
+                    for seed in _CHECKSUM_SEEDS])
+
+
+def _path_name(path: tuple) -> str:
+  """'a/b/0/count' for a tree path: the same for a saved tree (dicts and lists) and the
+  live one (namedtuples), unlike jax.tree_util.keystr."""
+  parts = []
+  for key in path:
+    for attribute in ('key', 'name', 'idx'):
+      if hasattr(key, attribute):
+        parts.append(str(getattr(key, attribute)))
+        break
+    else:
+      parts.append(str(key))
+  return '/'.join(parts)
+
+
+def checksums(tree: Any) -> dict[str, str]:
+  """Each array's checksum as 16 hex digits, keyed by its path in the tree."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+  sums = jax.device_get([_array_checksum(leaf) for _, leaf in flat])
+  return {_path_name(path): ''.join(f'{int(v):08x}' for v in value)
+          for (path, _), value in zip(flat, sums)}
+
+
+# ----------------------------------------------------------------------------- saving
 
 
 def make_manager(workdir: str, max_to_keep: int | None = None,
@@ -47,7 +129,12 @@ def make_manager(workdir: str, max_to_keep: int | None = None,
 
 def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state: Any,
          meta: dict[str, Any]) -> None:
-  """Starts an asynchronous save of `step` (call `manager.wait_until_finished()` before exit)."""
+  """Starts an asynchronous save of `step` (call `manager.wait_until_finished()` before exit).
+
+  The arrays' checksums are computed first (on the devices) and saved in `meta`.
+  """
+  meta = dict(meta, checksums={'params': checksums(params),
+                               'optimizer': checksums(optimizer_state)})
   manager.save(step, args=ocp.args.Composite(
       params=ocp.args.StandardSave(params),
       optimizer=ocp.args.StandardSave(optimizer_state),
@@ -55,17 +142,16 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state
   logging.info('Saving checkpoint at step %d.', step)
 
 
-class CheckpointMismatchError(ValueError):
-  """Readable checkpoints whose parameters do not fit the model being trained."""
+# ----------------------------------------------------------------------------- reading
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {jax.tree_util.keystr(path): tuple(leaf.shape) for path, leaf in flat}
+  return {_path_name(path): tuple(leaf.shape) for path, leaf in flat}
 
 
-def parameter_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
-  """What differs between two parameter trees' names and shapes (empty: they fit)."""
+def tree_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
+  """What differs between two trees' array names and shapes (empty: they fit)."""
   saved, wanted = _shapes(saved), _shapes(wanted)
   differences = [f'{k}: saved {saved[k]}, model {wanted[k]}'
                  for k in sorted(saved.keys() & wanted.keys()) if saved[k] != wanted[k]]
@@ -75,89 +161,87 @@ def parameter_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
                                 len(differences) > limit else [])
 
 
+def _short(error: BaseException) -> str:
+  """An exception as one short line (orbax and tensorstore errors run to many lines)."""
+  text = ' '.join(str(error).split())
+  return f'{type(error).__name__}: {text[:200]}{"..." if len(text) > 200 else ""}'
+
+
 def _saved_tree(path: str) -> Any:
-  """The tree of array metadata (shape, dtype) of a saved item (a StandardSave folder)."""
-  tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path))
-  return getattr(tree, 'tree', tree)
+  """The tree of array metadata (shape, dtype) of a saved item; DamagedCheckpointError if it
+  cannot be read or lists no arrays."""
+  try:
+    tree = ocp.StandardCheckpointHandler().metadata(epath.Path(path))
+  except Exception as error:  # noqa: BLE001 - orbax raises many kinds; all mean unreadable.
+    raise DamagedCheckpointError(f'{os.path.basename(path)} metadata unreadable '
+                                 f'({_short(error)})') from None
+  tree = getattr(tree, 'tree', tree)
+  if not _shapes(tree):
+    raise DamagedCheckpointError(f'{os.path.basename(path)} metadata lists no arrays')
+  return tree
 
 
-def _saved_params(manager: ocp.CheckpointManager, step: int) -> Any:
-  """The params item's tree of array metadata of checkpoint `step`."""
-  return _saved_tree(os.path.join(str(manager.directory), str(step), 'params'))
+def _read_meta(path: str) -> dict[str, Any]:
+  try:
+    meta = ocp.JsonCheckpointHandler().restore(epath.Path(path) / 'meta')
+  except Exception as error:  # noqa: BLE001
+    raise DamagedCheckpointError(f'meta unreadable ({_short(error)})') from None
+  if not isinstance(meta, dict):
+    raise DamagedCheckpointError('meta is not a JSON object')
+  return meta
 
 
-def restore_latest(manager: ocp.CheckpointManager, abstract_params: Any,
-                   abstract_optimizer_state: Any) -> tuple[Any, Any, dict[str, Any]] | None:
-  """Restores the newest readable checkpoint into the given shapes and shardings.
+def _read_item(path: str, target: Any, recorded: dict[str, str] | None) -> Any:
+  """Restores one saved item into `target` and checks it against `recorded` checksums.
 
-  Returns (params, optimizer_state, meta), or None when there is no checkpoint. A checkpoint
-  that fails to restore is reported, set aside, and the next older one is tried; readable
-  checkpoints whose parameters do not fit `abstract_params` (another model config) raise
-  CheckpointMismatchError and nothing is set aside.
+  target: an abstract tree (jax.ShapeDtypeStruct leaves with shardings) that must match the
+  saved names and shapes, or a Sharding: the arrays as saved, each laid out by it.
   """
-  for step in sorted(manager.all_steps(), reverse=True):
-    try:
-      saved = _saved_params(manager, step)
-      if not _shapes(saved):
-        raise ValueError('its params metadata lists no arrays')
-    except Exception as error:  # noqa: BLE001 - unreadable metadata is damage.
-      _set_aside(manager, step, f'{type(error).__name__}: {str(error)[:300]}')
-      continue
-    differences = parameter_differences(saved, abstract_params)
+  saved = _saved_tree(path)
+  item = os.path.basename(path)
+  if isinstance(target, jax.sharding.Sharding):
+    target = jax.tree_util.tree_map(
+        lambda x, s=target: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=s), saved)
+  else:
+    differences = tree_differences(saved, target)
     if differences:
-      raise CheckpointMismatchError(
-          f'The checkpoints in {manager.directory} (newest: step {step}) do not fit this '
-          f'config\'s model: {"; ".join(differences)}. Nothing was changed. Train with the '
-          'config the run was made with (its config.json), or start a new --workdir.')
-    try:
-      restored = manager.restore(step, args=ocp.args.Composite(
-          params=ocp.args.StandardRestore(abstract_params),
-          optimizer=ocp.args.StandardRestore(abstract_optimizer_state),
-          meta=ocp.args.JsonRestore()))
-    except Exception as error:  # noqa: BLE001 - any damage means: try the previous one.
-      _set_aside(manager, step, f'{type(error).__name__}: {str(error)[:300]}')
-      continue
-    meta = restored['meta']
-    if meta.get('step') != step:
-      _set_aside(manager, step, f'its meta says step {meta.get("step")}')
-      continue
-    return restored['params'], restored['optimizer'], meta
-  return None
+      raise CheckpointMismatchError(f'{item}: {"; ".join(differences)}')
+  try:
+    restored = ocp.StandardCheckpointHandler().restore(epath.Path(path),
+                                                       args=ocp.args.StandardRestore(target))
+  except Exception as error:  # noqa: BLE001 - any failure to read the arrays is damage.
+    raise DamagedCheckpointError(f'{item} unreadable ({_short(error)})') from None
+  if recorded is not None:
+    actual = checksums(restored)
+    wrong = sorted(k for k, v in recorded.items() if actual.get(k) != v)
+    if wrong:
+      raise DamagedCheckpointError(f'{item}: {len(wrong)} array(s) differ from their checksums '
+                                   f'at saving (first: {wrong[0]})')
+  return restored
 
 
-def _set_aside(manager: ocp.CheckpointManager, step: int, reason: str) -> None:
-  """Renames a damaged checkpoint out of the manager's view (kept for inspection)."""
-  path = os.path.join(str(manager.directory), str(step))
-  aside = f'{path}.damaged'
-  logging.warning('Checkpoint at step %d in %s cannot be restored (%s); falling back to the '
-                  'previous checkpoint. The damaged one is kept as %s.', step,
-                  manager.directory, reason, aside)
-  if jax.process_index() == 0:
-    if os.path.exists(aside):
-      shutil.rmtree(aside)
-    os.rename(path, aside)
-  if jax.process_count() > 1:  # Every host rescans only after process 0 has renamed it.
-    multihost_utils.sync_global_devices(f'checkpoint {step} set aside')
-  manager.reload()
+def read_checkpoint(path: str, targets: dict[str, Any],
+                    step: int | None = None) -> dict[str, Any]:
+  """Restores and verifies items of one checkpoint folder (a step's, or `averaged/`).
 
-
-def _restore_tree(path: str, sharding: jax.sharding.Sharding) -> Any:
-  """The arrays saved at `path` (a StandardSave item), each whole on `sharding`'s devices.
-
-  The targets come from the saved metadata (shapes, dtypes) with the caller's sharding, so the
-  devices the arrays were saved from do not matter.
+  Args:
+    path: the checkpoint folder, holding one subfolder per item and `meta`.
+    targets: item name -> an abstract tree to restore into (jax.ShapeDtypeStruct leaves with
+      shardings; names and shapes must match), or a Sharding (the arrays as saved, laid out
+      by it).
+    step: if given, the step `meta` must record.
+  Returns:
+    {item: restored tree} for each target, and 'meta'.
+  Raises:
+    CheckpointMismatchError: the saved names or shapes differ from a target's.
+    DamagedCheckpointError: files missing or unreadable, or an array whose checksum differs.
   """
-  targets = jax.tree_util.tree_map(
-      lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype, sharding=sharding),
-      _saved_tree(path))
-  # The item's handler itself: a Checkpointer would look for step-level metadata and warn.
-  return ocp.StandardCheckpointHandler().restore(epath.Path(path),
-                                                 args=ocp.args.StandardRestore(targets))
-
-
-def _local_sharding() -> jax.sharding.Sharding:
-  """Every array whole on this process's first device (averaging works on host copies)."""
-  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  meta = _read_meta(path)
+  if step is not None and meta.get('step', step) != step:
+    raise DamagedCheckpointError(f'its meta records step {meta.get("step")}')
+  recorded = meta.get('checksums') or {}  # None in checkpoints of earlier code.
+  return {'meta': meta, **{item: _read_item(os.path.join(path, item), target, recorded.get(item))
+                           for item, target in targets.items()}}
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -171,71 +255,186 @@ def saved_steps(workdir: str) -> list[int]:
                 if name.isdigit() and os.path.isdir(os.path.join(folder, name)))
 
 
-def restore_params(workdir: str, step: int,
-                   sharding: jax.sharding.Sharding | None = None) -> Any:
-  """The params of checkpoint `step`, laid out as `sharding` (default: one local device)."""
-  path = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR, str(step), 'params'))
-  return _restore_tree(path, sharding or _local_sharding())
+def step_path(workdir: str, step: int) -> str:
+  return os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR, str(step)))
+
+
+def restore_newest(workdir: str, read: Callable[[int], T], *, set_aside: bool = False,
+                   steps: list[int] | None = None) -> tuple[int, T] | None:
+  """(step, read(step)) for the newest checkpoint that `read` restores without damage.
+
+  Each damaged checkpoint on the way gets a one-line warning; with `set_aside` (training) it is
+  also renamed `N.damaged` so that later runs do not trip over it. Returns None when no
+  checkpoint is intact. CheckpointMismatchError from `read` propagates: nothing is set aside.
+  """
+  for step in reversed(saved_steps(workdir) if steps is None else steps):
+    try:
+      return step, read(step)
+    except DamagedCheckpointError as error:
+      kept = _set_aside(workdir, step) if set_aside else step_path(workdir, step)
+      logging.warning('Skipping damaged checkpoint %d (%s); trying the next older one. '
+                      'Kept as %s.', step, error, kept)
+  return None
+
+
+def _set_aside(workdir: str, step: int) -> str:
+  """Renames a damaged checkpoint out of the way (`N.damaged`, `N.damaged.2`, ...; nothing is
+  ever deleted); returns its new path."""
+  path = step_path(workdir, step)
+  aside, number = f'{path}.damaged', 1
+  while os.path.exists(aside):
+    number += 1
+    aside = f'{path}.damaged.{number}'
+  if jax.process_index() == 0:
+    os.rename(path, aside)
+  if jax.process_count() > 1:  # Every host rescans only after process 0 has renamed it.
+    multihost_utils.sync_global_devices(f'checkpoint {step} set aside')
+  return aside
+
+
+def restore_latest(workdir: str, abstract_params: Any,
+                   abstract_optimizer_state: Any) -> tuple[Any, Any, dict[str, Any]] | None:
+  """Training's restore: (params, optimizer_state, meta) of the newest intact checkpoint in the
+  given shapes and shardings, or None when there is none. Damaged ones are set aside;
+  checkpoints that do not fit (another model or optimizer config) raise
+  CheckpointMismatchError, naming the differences, and nothing is changed."""
+  if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
+    return None
+
+  def read(step):
+    try:
+      restored = read_checkpoint(step_path(workdir, step),
+                                 {'params': abstract_params, 'optimizer': abstract_optimizer_state},
+                                 step=step)
+    except CheckpointMismatchError as error:
+      cause = (' (optimizer settings such as grad_clip_norm or weight_decay change the layout '
+               'of the optimizer state)' if str(error).startswith('optimizer') else '')
+      raise CheckpointMismatchError(
+          f'The checkpoints in {os.path.join(workdir, CHECKPOINT_DIR)} (newest: step {step}) '
+          f'do not fit this config{cause}: {error}. Nothing was changed. Train with the config '
+          'the run was made with (its config.json), or start a new --workdir; add '
+          f'--init_params_from={workdir} there to start from these parameters with a fresh '
+          'optimizer state.') from None
+    return restored['params'], restored['optimizer'], restored['meta']
+
+  found = restore_newest(workdir, read, set_aside=True)
+  return None if found is None else found[1]
+
+
+def _local_sharding() -> jax.sharding.Sharding:
+  """Every array whole on this process's first device (averaging works on host copies)."""
+  return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+
+
+def restore_params(workdir: str, step: int, target: Any = None) -> Any:
+  """The verified params of checkpoint `step` into `target` (see `_read_item`; default: one
+  local device); DamagedCheckpointError if that checkpoint is damaged."""
+  target = _local_sharding() if target is None else target
+  return read_checkpoint(step_path(workdir, step), {'params': target}, step=step)['params']
 
 
 def average_last(workdir: str, num_checkpoints: int) -> tuple[Any, list[int]]:
-  """Element-wise mean (float32, host numpy) of the params of the newest checkpoints."""
-  steps = saved_steps(workdir)[-num_checkpoints:]
-  if not steps:
+  """Element-wise mean (float32, host numpy) of the params of the newest intact checkpoints.
+
+  Damaged checkpoints are skipped with a warning and the next older ones taken instead.
+  """
+  available = saved_steps(workdir)
+  if not available:
     raise FileNotFoundError(f'No checkpoints in {workdir}/{CHECKPOINT_DIR}: train first.')
-  if len(steps) < num_checkpoints:
-    logging.warning('Asked to average %d checkpoints; only %d exist (steps %s).',
-                    num_checkpoints, len(steps), steps)
-  total = None
-  for step in steps:
-    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64),
-                                    restore_params(workdir, step))
+  total, steps = None, []
+  while len(steps) < num_checkpoints:
+    older = [s for s in available if not steps or s < steps[-1]]
+    found = restore_newest(workdir, functools.partial(restore_params, workdir), steps=older)
+    if found is None:
+      break
+    steps.append(found[0])
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), found[1])
     total = params if total is None else jax.tree_util.tree_map(np.add, total, params)
+  if not steps:
+    raise DamagedCheckpointError(f'No intact checkpoint in {workdir}/{CHECKPOINT_DIR} '
+                                 f'(steps {available} are all damaged).')
+  if len(steps) < num_checkpoints:
+    logging.warning('Asked to average %d checkpoints; only %d intact ones exist (steps %s).',
+                    num_checkpoints, len(steps), sorted(steps))
   averaged = jax.tree_util.tree_map(lambda x: (x / len(steps)).astype(np.float32), total)
-  return averaged, steps
+  return averaged, sorted(steps)
 
 
 def save_averaged(workdir: str, num_checkpoints: int) -> list[int]:
-  """Averages the newest checkpoints into WORKDIR/averaged/ (params only)."""
+  """Averages the newest intact checkpoints into WORKDIR/averaged/ (params, and meta with
+  their checksums, as in a training checkpoint)."""
   params, steps = average_last(workdir, num_checkpoints)
-  checkpointer = ocp.StandardCheckpointer()
-  path = os.path.abspath(os.path.join(workdir, AVERAGED_DIR))
-  checkpointer.save(path, params, force=True)
-  checkpointer.wait_until_finished()
+  path = epath.Path(os.path.abspath(os.path.join(workdir, AVERAGED_DIR)))
+  meta = {'averaged_steps': steps,
+          'checksums': {'params': checksums(jax.device_put(params, _local_sharding()))}}
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  checkpointer.save(path, ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                             meta=ocp.args.JsonSave(meta)), force=True)
   logging.info('Averaged steps %s into %s.', steps, path)
   return steps
 
 
+def _read_averaged(workdir: str, target: Any) -> Any:
+  path = os.path.abspath(os.path.join(workdir, AVERAGED_DIR))
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f'No averaged checkpoint at {path}: run `python checkpoints.py '
+                            f'--workdir {workdir} --average_last N` first.')
+  try:
+    if not os.path.isdir(os.path.join(path, 'params')):  # Earlier code: params only, no meta.
+      return _read_item(path, target, None)
+    return read_checkpoint(path, {'params': target})['params']
+  except DamagedCheckpointError as error:
+    raise DamagedCheckpointError(
+        f'The averaged checkpoint {path} is damaged ({error}): average again with `python '
+        f'checkpoints.py --workdir {workdir}`.') from None
+
+
 def load_params(workdir: str, checkpoint: str | int | None = None, average: int = 0,
-                sharding: jax.sharding.Sharding | None = None) -> tuple[Any, str]:
-  """Parameters for decoding, laid out as `sharding`, and where they came from.
+                target: Any = None) -> tuple[Any, str]:
+  """Verified parameters (for decoding, or to start training from), and where they came from.
 
   Args:
     workdir: the training run's workdir.
-    checkpoint: None = newest, a step number, or 'averaged' (WORKDIR/averaged/).
-    average: if > 0, the mean of the newest `average` checkpoints instead.
-    sharding: the target layout (default: one local device).
+    checkpoint: None = the newest intact checkpoint, a step number, or 'averaged'.
+    average: if > 0, the mean of the newest `average` intact checkpoints instead.
+    target: a Sharding to lay every array out by (default: one local device), or an abstract
+      tree whose names and shapes the saved parameters must match (CheckpointMismatchError).
+  Raises:
+    FileNotFoundError: no such checkpoint. DamagedCheckpointError: the one asked for is damaged
+    (or, for the newest, all are).
   """
-  sharding = sharding or _local_sharding()
+  target = _local_sharding() if target is None else target
   if average > 0:
     params, steps = average_last(workdir, average)
-    return jax.device_put(params, sharding), f'average of steps {steps}'
+    if isinstance(target, jax.sharding.Sharding):
+      return jax.device_put(params, target), f'average of steps {steps}'
+    differences = tree_differences(params, target)
+    if differences:
+      raise CheckpointMismatchError(f'params: {"; ".join(differences)}')
+    return (jax.device_put(params, jax.tree_util.tree_map(lambda t: t.sharding, target)),
+            f'average of steps {steps}')
   if checkpoint == 'averaged':
-    path = os.path.abspath(os.path.join(workdir, AVERAGED_DIR))
-    if not os.path.isdir(path):
-      raise FileNotFoundError(f'No averaged checkpoint at {path}: run `python checkpoints.py '
-                              f'--workdir {workdir} --average_last N` first.')
-    return _restore_tree(path, sharding), f'averaged checkpoint {path}'
+    return _read_averaged(workdir, target), f'averaged checkpoint {workdir}/{AVERAGED_DIR}'
   checkpoint_dir = os.path.join(workdir, CHECKPOINT_DIR)
   steps = saved_steps(workdir)
   if not steps:
     raise FileNotFoundError(f'No checkpoints in {checkpoint_dir}: train first.')
   if checkpoint is not None and not str(checkpoint).isdigit():
     raise ValueError(f"--checkpoint must be a step number or 'averaged', got {checkpoint!r}.")
-  step = steps[-1] if checkpoint is None else int(checkpoint)
+  if checkpoint is None:
+    found = restore_newest(workdir, lambda step: restore_params(workdir, step, target))
+    if found is None:
+      raise DamagedCheckpointError(f'Every checkpoint in {checkpoint_dir} is damaged '
+                                   f'(steps {steps}).')
+    return found[1], f'step {found[0]}'
+  step = int(checkpoint)
   if step not in steps:
     raise FileNotFoundError(f'No checkpoint at step {step} in {checkpoint_dir}; have {steps}.')
-  return restore_params(workdir, step, sharding), f'step {step}'
+  try:
+    return restore_params(workdir, step, target), f'step {step}'
+  except DamagedCheckpointError as error:
+    raise DamagedCheckpointError(f'Checkpoint {step} in {checkpoint_dir} is damaged ({error}); '
+                                 f'choose another of {steps}.') from None
 
 
 def main(argv):
@@ -252,13 +451,13 @@ def main(argv):
         raise ValueError(f'{FLAGS.workdir}/config.json has no average_last_checkpoints; '
                          'pass --average_last N.')
     save_averaged(FLAGS.workdir, count)
-  except (FileNotFoundError, ValueError) as error:
+  except (FileNotFoundError, ValueError, DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')
 
 
 if __name__ == '__main__':
   flags.DEFINE_string('workdir', None, 'Training workdir.', required=True)
   flags.DEFINE_integer('average_last', None, 'Number of newest checkpoints to average '
-                       "(default: the run config's average_last_checkpoints).")
+                       "(default: the run config's average_last_checkpoints).", lower_bound=1)
   FLAGS = flags.FLAGS
   app.run(main)

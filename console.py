@@ -1,14 +1,18 @@
 """What a person reads on the console: the project's own log lines, and durations for ETAs.
 
 Libraries (orbax, TFDS, jax) log a great deal at INFO. By default only the project's INFO lines
-and every library's warnings and errors are shown; absl's `--verbosity=1` (or `-v 1`) shows
-everything.
+and every library's warnings and errors are shown, except TFDS's notices about the pipeline's
+fingerprinted builders and the library errors about a full disk (orbax logs each writer thread's
+traceback, tensorstore's callbacks print "Event loop is closed"; the run reports it in one line,
+see `is_out_of_space`); absl's `--verbosity=1` (or `-v 1`) shows everything.
 """
 
 from __future__ import annotations
 
+import errno
 import logging as std_logging
 import os
+import sys
 
 from absl import flags, logging
 
@@ -19,19 +23,70 @@ os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
+# TFDS warnings about what the input pipeline does on purpose: builders named by a fingerprint
+# of their files (input_pipeline.ParallelTextFolder, Multi30k's local copy).
+_EXPECTED_LIBRARY_WARNINGS = ('Using custom data configuration', 'has no dataset_info.json')
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_NO_SPACE_TEXTS = ('No space left on device', 'Disk quota exceeded', 'File too large')
+
+
+def is_out_of_space(error: BaseException | None) -> bool:
+  """Whether a write failed for lack of room (full disk, quota, file size limit), however
+  deep orbax or tensorstore wrapped the OSError."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in _NO_SPACE_ERRNOS:
+      return True
+    if any(text in str(error) for text in _NO_SPACE_TEXTS):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _from_project(record: std_logging.LogRecord) -> bool:
+  return os.path.abspath(record.pathname).startswith(PROJECT_DIR + os.sep) and (
+      f'{os.sep}site-packages{os.sep}' not in record.pathname)
+
+
 class _ProjectInfoOnly(std_logging.Filter):
-  """Passes warnings and errors from anywhere, and INFO and below from the project's files."""
+  """Passes warnings and errors from anywhere (but libraries' full-disk errors), and INFO and
+  below from the project's files."""
 
   def filter(self, record: std_logging.LogRecord) -> bool:
-    if record.levelno >= std_logging.WARNING:
-      return True
     if flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1:
       return True
-    return os.path.abspath(record.pathname).startswith(PROJECT_DIR + os.sep) and (
-        f'{os.sep}site-packages{os.sep}' not in record.pathname)
+    if record.levelno >= std_logging.WARNING:
+      if _from_project(record):
+        return True
+      text = record.getMessage()
+      if record.exc_info and record.exc_info[1] is not None:
+        return not is_out_of_space(record.exc_info[1])
+      return not any(t in text for t in _NO_SPACE_TEXTS + _EXPECTED_LIBRARY_WARNINGS)
+    return _from_project(record)
 
 
 _FILTER = _ProjectInfoOnly()
+
+
+def _is_closed_loop_callback(error_type, error, tb) -> bool:
+  """A 'loop closed' error raised inside asyncio itself: tensorstore completing a write of a
+  save that already failed (a full disk) schedules onto orbax's finished event loop."""
+  if error_type is not RuntimeError or str(error) != 'Event loop is closed':
+    return False
+  while tb is not None:
+    if f'{os.sep}asyncio{os.sep}' not in tb.tb_frame.f_code.co_filename:
+      return False
+    tb = tb.tb_next
+  return True
+
+
+def _quiet_excepthook(error_type, error, tb):
+  if not _is_closed_loop_callback(error_type, error, tb):
+    _ORIGINAL_EXCEPTHOOK(error_type, error, tb)
+
+
+_ORIGINAL_EXCEPTHOOK = sys.excepthook
 
 
 def quiet_libraries() -> None:
@@ -39,6 +94,8 @@ def quiet_libraries() -> None:
   handler = logging.get_absl_handler()
   if _FILTER not in handler.filters:
     handler.addFilter(_FILTER)
+  if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
+    sys.excepthook = _quiet_excepthook
   if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
     import tensorflow_datasets as tfds  # Its progress bars: the pipeline logs its own lines.
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
+import checkpoints
 import console
 import input_pipeline
 import sharding
@@ -100,7 +101,7 @@ def main(argv):
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
            nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, checkpoint=FLAGS.checkpoint,
            average_last=FLAGS.average_last)
-  except (FileNotFoundError, ValueError) as error:
+  except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')
 
 

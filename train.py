@@ -43,6 +43,9 @@ import translation
 from model import Transformer, TransformerConfig, count_params
 
 FLAGS = flags.FLAGS
+# Exit code of a run stopped by SIGTERM/SIGINT after saving a checkpoint: resumable
+# (sysexits' EX_TEMPFAIL, "try again later").
+EXIT_INTERRUPTED = 75
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
               'inputs_positions', 'targets_positions')
 
@@ -302,14 +305,39 @@ def bleu_on_validation(translator: translation.Translator, params: Any, sources:
 # ----------------------------------------------------------------------------- the loop's helpers
 
 
-class MetricsWriter:
-  """metrics.jsonl and TensorBoard event files (clu's writer), on process 0 only."""
+def truncate_metrics(path: str, start_step: int) -> None:
+  """Keeps the rows of metrics.jsonl up to `start_step`, where a run resumes: the steps after
+  it are computed (and written) again. A row torn by a kill is dropped too."""
+  if not os.path.isfile(path):
+    return
+  kept = []
+  with open(path, encoding='utf-8') as f:
+    for line in f:
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError:
+        continue
+      if start_step > 0 and isinstance(row, dict) and row.get('step', 0) <= start_step:
+        kept.append(json.dumps(row) + '\n')
+  tmp = f'{path}.tmp{os.getpid()}'
+  with open(tmp, 'w', encoding='utf-8') as f:
+    f.writelines(kept)
+  os.replace(tmp, path)
 
-  def __init__(self, workdir: str):
+
+class MetricsWriter:
+  """metrics.jsonl and TensorBoard event files (clu's writer), on process 0 only.
+
+  A run resumed at `start_step` first drops the rows after it, so every step has its rows once.
+  """
+
+  def __init__(self, workdir: str, start_step: int = 0):
     self.enabled = jax.process_index() == 0
     if self.enabled:
       from clu import metric_writers  # Only the writing process needs TensorBoard.
-      self.jsonl = open(os.path.join(workdir, 'metrics.jsonl'), 'a', encoding='utf-8')
+      path = os.path.join(workdir, 'metrics.jsonl')
+      truncate_metrics(path, start_step)
+      self.jsonl = open(path, 'a', encoding='utf-8')
       self.tensorboard = metric_writers.SummaryWriter(os.path.join(workdir, 'tensorboard'))
 
   def write(self, step: int, metrics: dict[str, float]) -> None:
@@ -365,9 +393,12 @@ def check_nonfinite_streak(step_metrics: list[dict], limit: int, step: int) -> N
 
 
 def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
-                    optimizer: optax.GradientTransformation, mesh: Mesh, manager):
-  """The training state on `mesh`: from the newest good checkpoint, or fresh.
+                    optimizer: optax.GradientTransformation, mesh: Mesh, workdir: str,
+                    init_params_from: str | None = None):
+  """The training state on `mesh`: from the newest intact checkpoint, or fresh.
 
+  A fresh state takes its parameters from `init_params_from` when given ('RUN_DIR',
+  'RUN_DIR:STEP' or 'RUN_DIR:averaged'; its optimizer state and step start anew).
   Returns (state, its shardings, the data iterator's saved position or None).
   """
   init_state = functools.partial(init_train_state, model, optimizer)
@@ -375,12 +406,25 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   shardings = sharding.state_shardings(jax.eval_shape(init_state, rng), mesh)
   state = jax.jit(init_state, out_shardings=shardings)(rng)
   optimizer_keys = ('opt_state', 'rng')
+  abstract_params = sharding.with_shardings(state['params'], shardings['params'])
   restored = checkpoints.restore_latest(
-      manager, sharding.with_shardings(state['params'], shardings['params']),
+      workdir, abstract_params,
       sharding.with_shardings({k: state[k] for k in optimizer_keys},
                               {k: shardings[k] for k in optimizer_keys}))
   if restored is None:
+    if init_params_from:
+      run, _, checkpoint = init_params_from.partition(':')
+      try:
+        state['params'], origin = checkpoints.load_params(run, checkpoint or None,
+                                                          target=abstract_params)
+      except checkpoints.CheckpointMismatchError as error:
+        raise checkpoints.CheckpointMismatchError(
+            f'--init_params_from={init_params_from}: its parameters do not fit this config\'s '
+            f'model ({error}).') from None
+      logging.info('Parameters from %s, %s; fresh optimizer state.', run, origin)
     return state, shardings, None
+  if init_params_from:
+    logging.warning('%s has checkpoints: resuming them; --init_params_from is ignored.', workdir)
   params, optimizer_item, meta = restored
   state.update(params=params, **optimizer_item, step=jnp.asarray(meta['step'], jnp.int32),
                nonfinite_total=jnp.asarray(meta.get('nonfinite_total', 0), jnp.int32),
@@ -389,14 +433,38 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   return state, shardings, meta['data_state']
 
 
+def copy_tokenizer(source_run: str, workdir: str) -> None:
+  """Gives `workdir` the tokenizer of the run its parameters come from (their vocabulary)."""
+  source = os.path.join(source_run, 'tokenizer.model')
+  target = os.path.join(workdir, 'tokenizer.model')
+  if not os.path.isfile(source):
+    raise FileNotFoundError(f'{source} not found: --init_params_from must name a training '
+                            'workdir.')
+  with open(source, 'rb') as f:
+    tokenizer = f.read()
+  if os.path.isfile(target):
+    with open(target, 'rb') as f:
+      if f.read() != tokenizer:
+        raise ConfigError(f'{target} differs from {source}: parameters from another run need '
+                          'its vocabulary; use a new --workdir.')
+    return
+  if jax.process_index() == 0:
+    tmp = f'{target}.tmp{os.getpid()}'
+    with open(tmp, 'wb') as f:
+      f.write(tokenizer)
+    os.replace(tmp, target)
+
+
 # ----------------------------------------------------------------------------- the loop
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       init_params_from: str | None = None) -> dict[str, Any]:
   """Runs (or resumes) training; returns the final state, step and last metrics.
 
   SIGTERM/SIGINT at any point, data loading and compilation included, end the run after the
-  current step with a checkpoint.
+  current step with a checkpoint ('stopped' in the result). A fresh run starts from the
+  parameters of `init_params_from` when given (see restore_or_init).
   """
   stop_signal = []
 
@@ -407,30 +475,34 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
   previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    return _train_and_evaluate(config, workdir, stop_signal)
+    return _train_and_evaluate(config, workdir, stop_signal, init_params_from)
   finally:
     for sig, handler in previous_handlers.items():
       signal.signal(sig, handler)
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                        stop_signal: list[int]) -> dict[str, Any]:
+                        stop_signal: list[int], init_params_from: str | None) -> dict[str, Any]:
   mesh = sharding.make_mesh(config.mesh_shape)
   validate_config(config, mesh)
   os.makedirs(workdir, exist_ok=True)
+
+  # Model, optimizer, and the state from the newest checkpoint or fresh: before anything in
+  # the workdir changes, so a config that does not fit the checkpoints changes nothing.
+  model = Transformer(TransformerConfig(**config.model))
+  optimizer = make_optimizer(config)
+  state, shardings, data_state = restore_or_init(config, model, optimizer, mesh, workdir,
+                                                 init_params_from)
+  if init_params_from and data_state is None:
+    copy_tokenizer(init_params_from.partition(':')[0], workdir)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       f.write(config.to_json_best_effort(indent=2))
   logging.info('Config written to %s (--verbosity=1 also logs it).',
                os.path.join(workdir, 'config.json'))
   logging.debug('Config:\n%s', config)
-
-  # Data, model, optimizer; the state from the newest checkpoint or fresh.
   tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir)
-  model = Transformer(TransformerConfig(**config.model))
-  optimizer = make_optimizer(config)
   manager = checkpoints.make_manager(workdir, max_to_keep=config.keep_checkpoints)
-  state, shardings, data_state = restore_or_init(config, model, optimizer, mesh, manager)
   num_params = count_params(state['params'])
   logging.info('Model: %s parameters; %s', f'{num_params:,}', model.config)
   logging.info('Mesh: %s over %d devices on %d hosts.', dict(mesh.shape), mesh.devices.size,
@@ -450,7 +522,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   step_fn, batch_sharding = compile_train_step(config, model, optimizer, mesh, shardings)
   eval_fn = jax.jit(functools.partial(eval_step, model=model),
                     in_shardings=(shardings['params'], batch_sharding))
-  writer = MetricsWriter(workdir)
+  writer = MetricsWriter(workdir, start_step)
   if start_step == 0:
     writer.write(0, {'num_params': num_params})
 
@@ -534,7 +606,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   writer.close()
   train_iter.close()
   if stop_signal:
-    logging.warning('Stopped by signal at step %d; rerun the same command to resume.', step)
+    logging.warning('Stopped by signal at step %d with a checkpoint; rerun the same command to '
+                    'resume (exit code %d).', step, EXIT_INTERRUPTED)
   else:
     logging.info('Done: step %d in %s; checkpoints in %s.', step,
                  console.format_duration(time.time() - loop_start), manager.directory)
@@ -560,6 +633,9 @@ def define_flags():
     exit_on_unknown_config_key(error)
   flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, logs, tokenizer).')
   flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
+  flags.DEFINE_string('init_params_from', None, 'A fresh run starts from the parameters of '
+                      "another run: 'RUN_DIR' (its newest checkpoint), 'RUN_DIR:STEP' or "
+                      "'RUN_DIR:averaged'; optimizer state and step start anew (fine-tuning).")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -568,6 +644,17 @@ def parse_flags(argv: list[str]) -> list[str]:
     return app.parse_flags_with_usage(argv)
   except (AttributeError, KeyError) as error:  # ml_collections' error for a missing key.
     exit_on_unknown_config_key(error)
+
+
+def out_of_space_message(workdir: str) -> str:
+  try:
+    steps = checkpoints.saved_steps(workdir)
+  except FileNotFoundError:
+    steps = []
+  kept = (f'the checkpoints written before (newest: step {steps[-1]}) are intact' if steps
+          else 'no checkpoint had been written')
+  return (f'no space left to write in {os.path.abspath(workdir)}: {kept}. Free some space, then '
+          'rerun the same command to resume.')
 
 
 def main(argv):
@@ -581,11 +668,23 @@ def main(argv):
   if jax.process_index() != 0:  # One host speaks for the run; the others only warn.
     logging.set_verbosity(logging.WARNING)
   try:
-    train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    result = train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.init_params_from)
   except (ConfigError, sharding.MeshError, input_pipeline.DataError, FileNotFoundError,
-          FloatingPointError, checkpoints.CheckpointMismatchError) as error:
+          FloatingPointError, checkpoints.CheckpointMismatchError,
+          checkpoints.DamagedCheckpointError) as error:
     logging.error('%s', error)
     sys.exit(f'error: {error}')
+  except Exception as error:  # noqa: BLE001 - only a full disk is turned into one line.
+    if not console.is_out_of_space(error):
+      raise
+    message = out_of_space_message(FLAGS.workdir)
+    logging.error('%s', message)
+    # Orbax's writer threads may still hold the failed save: leave without waiting for them.
+    sys.stderr.write(f'error: {message}\n')
+    sys.stderr.flush()
+    os._exit(1)
+  if result['stopped']:
+    sys.exit(EXIT_INTERRUPTED)
 
 
 if __name__ == '__main__':

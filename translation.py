@@ -94,7 +94,7 @@ def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
   Runs saved with an earlier parameter layout are mapped to today's (`model.upgrade_params`).
   """
   params, origin = checkpoints.load_params(workdir, checkpoint, average,
-                                           sharding.replicated(mesh))
+                                           target=sharding.replicated(mesh))
   return upgrade_params(params), origin
 
 
