@@ -40,6 +40,7 @@ import console
 import input_pipeline
 import sharding
 import translation
+import workdir_lock
 from model import Transformer, TransformerConfig, count_params
 
 FLAGS = flags.FLAGS
@@ -418,6 +419,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   mesh = sharding.make_mesh(config.mesh_shape)
   validate_config(config, mesh)
   os.makedirs(workdir, exist_ok=True)
+  with workdir_lock.WorkdirLock(workdir):  # Before anything else touches the workdir.
+    return _train_in_locked_workdir(config, workdir, stop_signal, mesh)
+
+
+def _train_in_locked_workdir(config: ml_collections.ConfigDict, workdir: str,
+                             stop_signal: list[int], mesh: Mesh) -> dict[str, Any]:
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -583,7 +590,8 @@ def main(argv):
   try:
     train_and_evaluate(FLAGS.config, FLAGS.workdir)
   except (ConfigError, sharding.MeshError, input_pipeline.DataError, FileNotFoundError,
-          FloatingPointError, checkpoints.CheckpointMismatchError) as error:
+          FloatingPointError, checkpoints.CheckpointMismatchError,
+          workdir_lock.WorkdirLockedError) as error:
     logging.error('%s', error)
     sys.exit(f'error: {error}')
 

@@ -225,3 +225,22 @@ def test_concurrent_processes_exactly_one_wins(tmp_path, existing):
   assert sum('Taking over the stale lock' in err for _, err in outcomes) == (existing == 'stale')
   assert not os.listdir(tmp_path)
 
+
+def test_train_py_refuses_a_locked_workdir_before_touching_it(tmp_path):
+  """A second train.py on a held workdir exits at once with one `error:` line naming the lock,
+  before config.json, the tokenizer or anything else is written (before the lock, it trained)."""
+  config_json = tmp_path / 'config.json'
+  config_json.write_text('{"from": "the running trainer"}')
+  with WorkdirLock(str(tmp_path)):
+    result = subprocess.run(
+        [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
+         '--config.num_train_steps=2', '--config.eval.bleu_sentences=0'],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
+    assert sorted(os.listdir(tmp_path)) == ['config.json', 'train.lock']
+  assert result.returncode != 0
+  errors = [line for line in result.stderr.splitlines() if line.startswith('error:')]
+  assert len(errors) == 1, result.stderr
+  assert str(tmp_path / 'train.lock') in errors[0] and f'pid {os.getpid()}' in errors[0]
+  assert 'Traceback' not in result.stderr
+  assert config_json.read_text() == '{"from": "the running trainer"}'
