@@ -3,8 +3,8 @@
 Libraries (orbax, TFDS, jax) log a great deal at INFO. By default only the project's INFO lines
 and every library's warnings and errors are shown, except TFDS's notices about the pipeline's
 fingerprinted builders and the library errors about a full disk (orbax logs each writer thread's
-traceback, tensorstore's callbacks print "Event loop is closed"; the run reports it in one line,
-see `is_out_of_space`); absl's `--verbosity=1` (or `-v 1`) shows everything.
+traceback; the run reports it in one line, see `is_out_of_space`); absl's `--verbosity=1` (or
+`-v 1`) shows everything.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from __future__ import annotations
 import errno
 import logging as std_logging
 import os
-import sys
 
 from absl import flags, logging
 
@@ -69,33 +68,11 @@ class _ProjectInfoOnly(std_logging.Filter):
 _FILTER = _ProjectInfoOnly()
 
 
-def _is_closed_loop_callback(error_type, error, tb) -> bool:
-  """A 'loop closed' error raised inside asyncio itself: tensorstore completing a write of a
-  save that already failed (a full disk) schedules onto orbax's finished event loop."""
-  if error_type is not RuntimeError or str(error) != 'Event loop is closed':
-    return False
-  while tb is not None:
-    if f'{os.sep}asyncio{os.sep}' not in tb.tb_frame.f_code.co_filename:
-      return False
-    tb = tb.tb_next
-  return True
-
-
-def _quiet_excepthook(error_type, error, tb):
-  if not _is_closed_loop_callback(error_type, error, tb):
-    _ORIGINAL_EXCEPTHOOK(error_type, error, tb)
-
-
-_ORIGINAL_EXCEPTHOOK = sys.excepthook
-
-
 def quiet_libraries() -> None:
   """Drops libraries' INFO log lines unless --verbosity >= 1 (idempotent)."""
   handler = logging.get_absl_handler()
   if _FILTER not in handler.filters:
     handler.addFilter(_FILTER)
-  if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
-    sys.excepthook = _quiet_excepthook
   if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
     import tensorflow_datasets as tfds  # Its progress bars: the pipeline logs its own lines.
 

@@ -40,6 +40,7 @@ import console
 import input_pipeline
 import sharding
 import translation
+import workdir_lock
 from model import Transformer, TransformerConfig, count_params
 
 FLAGS = flags.FLAGS
@@ -466,6 +467,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   current step with a checkpoint ('stopped' in the result). A fresh run starts from the
   parameters of `init_params_from` when given (see restore_or_init).
   """
+  mesh = sharding.make_mesh(config.mesh_shape)
+  validate_config(config, mesh)
+  os.makedirs(workdir, exist_ok=True)
   stop_signal = []
 
   def request_stop(signum, frame):
@@ -475,17 +479,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
   previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
   try:
-    return _train_and_evaluate(config, workdir, stop_signal, init_params_from)
+    with workdir_lock.WorkdirLock(workdir):  # Before anything else touches the workdir.
+      return _train_and_evaluate(config, workdir, mesh, stop_signal, init_params_from)
   finally:
     for sig, handler in previous_handlers.items():
       signal.signal(sig, handler)
 
 
-def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: Mesh,
                         stop_signal: list[int], init_params_from: str | None) -> dict[str, Any]:
-  mesh = sharding.make_mesh(config.mesh_shape)
-  validate_config(config, mesh)
-  os.makedirs(workdir, exist_ok=True)
 
   # Model, optimizer, and the state from the newest checkpoint or fresh: before anything in
   # the workdir changes, so a config that does not fit the checkpoints changes nothing.
@@ -671,7 +673,7 @@ def main(argv):
     result = train_and_evaluate(FLAGS.config, FLAGS.workdir, FLAGS.init_params_from)
   except (ConfigError, sharding.MeshError, input_pipeline.DataError, FileNotFoundError,
           FloatingPointError, checkpoints.CheckpointMismatchError,
-          checkpoints.DamagedCheckpointError) as error:
+          checkpoints.DamagedCheckpointError, workdir_lock.WorkdirLockedError) as error:
     logging.error('%s', error)
     sys.exit(f'error: {error}')
   except Exception as error:  # noqa: BLE001 - only a full disk is turned into one line.

@@ -4,6 +4,7 @@ metrics that survive resumes, and the exit codes of interrupted and out-of-space
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -276,11 +277,11 @@ saved = []
 original_save = checkpoints.save
 
 def save(manager, step, *args, **kwargs):
-  if saved:  # From the second checkpoint on, no file may grow past 4 KiB.
+  if saved:  # The first checkpoint is complete; from now on no file may grow past 4 KiB.
+    manager.wait_until_finished()
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))
   original_save(manager, step, *args, **kwargs)
-  manager.wait_until_finished()
   saved.append(step)
 
 checkpoints.save = save
@@ -304,9 +305,14 @@ def test_a_full_disk_is_one_clear_error_and_the_checkpoints_before_stay_intact(r
                           cwd=REPO, capture_output=True, text=True, timeout=600,
                           env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
   assert result.returncode == 1, result.stderr[-3000:]
-  errors = [line for line in result.stderr.splitlines()
-            if line.startswith(('E1', 'error:', 'Traceback', 'ValueError', 'OSError'))]
-  assert len(errors) == 2 and errors[-1].startswith('error: no space left'), result.stderr[-3000:]
-  assert 'newest: step 2' in errors[-1]
+  lines = result.stderr.splitlines()
+  assert lines[-1].startswith('error: no space left'), result.stderr[-3000:]
+  # No library error log lines (orbax logs a traceback per writer thread) and no traceback
+  # through the project's code. (Tensorstore can print an "Event loop is closed" traceback of
+  # asyncio frames alone while a save is awaited; that is outside the project's reach.)
+  assert not [line for line in lines if re.match(r'E\d{4} ', line)
+              and 'no space left' not in line], result.stderr[-3000:]
+  assert not re.search(r'File "[^"]*(train|checkpoints|console|workdir_lock)\.py"', result.stderr)
+  assert 'newest: step 2' in lines[-1]
   assert checkpoints.saved_steps(fresh) == [2]
   checkpoints.restore_params(fresh, 2)  # Verified against its checksums.
