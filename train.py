@@ -2,8 +2,10 @@
 
   python train.py --config configs/multi30k.py --workdir runs/multi30k [--config.GROUP.KEY=value]
 
-Restarting with the same workdir resumes from the newest checkpoint (parameters, optimizer
-state, step, RNG and data position). SIGTERM/SIGINT save a checkpoint and exit. On several
+Restarting with the same workdir resumes from the newest intact checkpoint (parameters,
+optimizer state, step, RNG and data position); `--init_params_from=RUN` starts a new workdir
+from another run's parameters. SIGTERM/SIGINT save a checkpoint and exit with code 75
+(interrupted, resumable). One trainer per workdir (workdir_lock.py). On several
 hosts, set JAX_COORDINATOR_ADDRESS (or run under a launcher that jax.distributed detects) and
 pass --distributed. On the CPU backend it first restarts itself once with malloc settings that
 keep XLA:CPU's per-step buffers mapped (glibc_malloc.py).
@@ -63,15 +65,32 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     raise ConfigError(f'config.model: {error}') from None
   data, optimizer = config.data, config.optimizer
   for key, value in (('data.batch_size', data.batch_size),
+                     ('data.max_length', data.max_length),
+                     ('data.spm_sample_size', data.spm_sample_size),
                      ('optimizer.grad_accum_steps', optimizer.grad_accum_steps),
+                     ('optimizer.max_consecutive_nonfinite', optimizer.max_consecutive_nonfinite),
                      ('num_train_steps', config.num_train_steps),
                      ('optimizer.warmup_steps', optimizer.warmup_steps),
                      ('log_every_steps', config.log_every_steps),
                      ('checkpoint_every_steps', config.checkpoint_every_steps),
+                     ('keep_checkpoints', config.keep_checkpoints),
+                     ('average_last_checkpoints', config.average_last_checkpoints),
                      ('eval.every_steps', config.eval.every_steps),
-                     ('eval.bleu_every_steps', config.eval.bleu_every_steps)):
+                     ('eval.bleu_every_steps', config.eval.bleu_every_steps),
+                     ('decode.beam_size', config.decode.beam_size),
+                     ('decode.batch_tokens', config.decode.batch_tokens),
+                     ('decode.max_length', config.decode.max_length)):
     if value <= 0:
       raise ConfigError(f'{key} must be positive, got {value}.')
+  if config.eval.bleu_sentences < 0:
+    raise ConfigError(f'eval.bleu_sentences must be 0 (no BLEU) or more, got '
+                      f'{config.eval.bleu_sentences}.')
+  if config.decode.beam_size > config.model.vocab_size:
+    raise ConfigError(f'decode.beam_size={config.decode.beam_size} exceeds the vocabulary '
+                      f'(model.vocab_size={config.model.vocab_size}).')
+  if not 0 <= optimizer.label_smoothing < 1:
+    raise ConfigError(f'optimizer.label_smoothing must be in [0, 1), got '
+                      f'{optimizer.label_smoothing}.')
   micro_batch, rest = divmod(data.batch_size, optimizer.grad_accum_steps)
   if rest:
     raise ConfigError(f'data.batch_size={data.batch_size} is not divisible by '

@@ -112,6 +112,9 @@ class Translator:
     self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
     self.beam_size = beam_size or decode_config.beam_size
     self.alpha = decode_config.alpha if alpha is None else alpha
+    if not 1 <= self.beam_size <= model.config.vocab_size:
+      raise ValueError(f'beam_size must be between 1 and the vocabulary size '
+                       f'{model.config.vocab_size}, got {self.beam_size}.')
     if not 1 <= nbest <= self.beam_size:
       raise ValueError(f'nbest must be between 1 and the beam size {self.beam_size}, got {nbest}.')
     self.nbest = nbest

@@ -132,8 +132,12 @@ def test_output_in_a_missing_folder_fails_before_translating(workdir, tmp_path):
   assert result.returncode != 0 and 'does not exist' in stderr and 'Translating' not in stderr
 
 
-def test_nbest_above_the_beam_is_one_clear_error(workdir):
-  result = run_decode('--workdir', workdir, '--input', '-', '--beam_size=2', '--nbest=3',
-                      stdin=b'A dog.\n')
+@pytest.mark.parametrize('flags, message', [
+    (('--beam_size=2', '--nbest=3'), 'nbest'),
+    (('--beam_size=100000',), 'beam_size must be between 1 and the vocabulary size')])
+def test_nbest_above_the_beam_and_a_beam_above_the_vocabulary_are_one_clear_error(
+    workdir, flags, message):
+  """Before: a beam of 100,000 tried to allocate terabytes."""
+  result = run_decode('--workdir', workdir, '--input', '-', *flags, stdin=b'A dog.\n')
   stderr = result.stderr.decode()
-  assert result.returncode != 0 and 'nbest' in stderr and 'Traceback' not in stderr, stderr
+  assert result.returncode != 0 and message in stderr and 'Traceback' not in stderr, stderr
