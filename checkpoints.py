@@ -439,7 +439,7 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    sys.exit(f'error: unexpected arguments {argv[1:]} (flags take the form --name=value).')
   console.quiet_libraries()
   count = FLAGS.average_last
   try:

@@ -3,7 +3,8 @@
 Libraries (orbax, TFDS, jax) log a great deal at INFO. By default only the project's INFO lines
 and every library's warnings and errors are shown, except TFDS's notices about the pipeline's
 fingerprinted builders and the library errors about a full disk (orbax logs each writer thread's
-traceback; the run reports it in one line, see `is_out_of_space`); absl's `--verbosity=1` (or
+traceback; the run reports it in one line, see `is_out_of_space`) and tensorstore's callbacks
+that land on orbax's closed event loop after a failed read or write; absl's `--verbosity=1` (or
 `-v 1`) shows everything.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging as std_logging
 import os
+import sys
 
 from absl import flags, logging
 
@@ -68,11 +70,32 @@ class _ProjectInfoOnly(std_logging.Filter):
 _FILTER = _ProjectInfoOnly()
 
 
+def _drop_closed_loop_callbacks(unraisable) -> None:
+  """sys.unraisablehook without one kind of noise: when orbax stops reading or writing a
+  checkpoint early (damaged files, a full disk), tensorstore completes the reads and writes
+  still in flight onto orbax's closed event loop, and each raises 'Event loop is closed' in
+  asyncio's own frames, with nothing for the user to do."""
+  error, tb = unraisable.exc_value, unraisable.exc_traceback
+  if isinstance(error, RuntimeError) and str(error) == 'Event loop is closed':
+    frames = []
+    while tb is not None:
+      frames.append(tb.tb_frame.f_code.co_filename)
+      tb = tb.tb_next
+    if all(f'{os.sep}asyncio{os.sep}' in frame for frame in frames):
+      return
+  _ORIGINAL_UNRAISABLEHOOK(unraisable)
+
+
+_ORIGINAL_UNRAISABLEHOOK = sys.unraisablehook
+
+
 def quiet_libraries() -> None:
-  """Drops libraries' INFO log lines unless --verbosity >= 1 (idempotent)."""
+  """Drops libraries' INFO log lines and known noise unless --verbosity >= 1 (idempotent)."""
   handler = logging.get_absl_handler()
   if _FILTER not in handler.filters:
     handler.addFilter(_FILTER)
+  if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
+    sys.unraisablehook = _drop_closed_loop_callbacks
   if not (flags.FLAGS.is_parsed() and flags.FLAGS.verbosity >= 1):
     import tensorflow_datasets as tfds  # Its progress bars: the pipeline logs its own lines.
 

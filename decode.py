@@ -87,14 +87,15 @@ def define_flags():
 
 
 def main(argv):
+  # One line for each mistake (app.UsageError would print the whole flag help with it).
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    sys.exit(f'error: unexpected arguments {argv[1:]} (flags take the form --name=value).')
   if not FLAGS.workdir:
-    raise app.UsageError('--workdir is required.')
+    sys.exit('error: --workdir is required.')
   if (FLAGS.input is None) == (FLAGS.split is None):
-    raise app.UsageError('Give exactly one of --input FILE and --split NAME.')
+    sys.exit('error: give exactly one of --input FILE and --split NAME.')
   if FLAGS.output != '-' and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
-    raise app.UsageError(f'--output {FLAGS.output}: its folder does not exist.')
+    sys.exit(f'error: --output {FLAGS.output}: its folder does not exist.')
   console.quiet_libraries()
   try:
     decode(FLAGS.workdir, input_path=FLAGS.input, split=FLAGS.split, output=FLAGS.output,

@@ -680,9 +680,9 @@ def out_of_space_message(workdir: str) -> str:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f'Unexpected arguments: {argv[1:]}')
+    sys.exit(f'error: unexpected arguments {argv[1:]} (flags take the form --name=value).')
   if FLAGS.workdir is None:
-    raise app.UsageError('--workdir is required.')
+    sys.exit('error: --workdir is required.')
   console.quiet_libraries()
   if FLAGS.distributed:
     jax.distributed.initialize()

@@ -50,3 +50,32 @@ def test_a_training_run_prints_its_own_lines(tmp_path):
   assert any('ETA' in line for line in info) and any('Saving checkpoint' in line for line in info)
   assert any('Done: step 10' in line for line in info)
   assert len(lines) < 40, '\n'.join(lines)
+
+
+def test_callbacks_onto_a_closed_event_loop_are_dropped_and_other_errors_kept(monkeypatch):
+  """Before: reading a damaged checkpoint printed up to ~40 'Event loop is closed' tracebacks
+  (tensorstore finishing reads onto orbax's closed loop), burying the one-line error."""
+  import asyncio
+  import types
+
+  loop = asyncio.new_event_loop()
+  loop.close()
+  try:
+    loop.call_soon_threadsafe(print)
+  except RuntimeError as error:
+    closed = error
+  # As tensorstore reports it: called from C++, so asyncio's frames alone.
+  asyncio_only = closed.__traceback__.tb_next
+  passed_on = []
+  monkeypatch.setattr(console, '_ORIGINAL_UNRAISABLEHOOK', passed_on.append)
+
+  def unraisable(error, tb):
+    return types.SimpleNamespace(exc_type=type(error), exc_value=error, exc_traceback=tb,
+                                 err_msg=None, object=None)
+
+  console._drop_closed_loop_callbacks(unraisable(closed, asyncio_only))
+  assert passed_on == []
+  for kept in (unraisable(closed, closed.__traceback__),  # Raised through other code.
+               unraisable(RuntimeError('something else'), asyncio_only)):
+    console._drop_closed_loop_callbacks(kept)
+  assert len(passed_on) == 2

@@ -130,6 +130,7 @@ def test_output_in_a_missing_folder_fails_before_translating(workdir, tmp_path):
                       str(tmp_path / 'no' / 'such' / 'hyp.txt'), stdin=b'A dog.\n')
   stderr = result.stderr.decode()
   assert result.returncode != 0 and 'does not exist' in stderr and 'Translating' not in stderr
+  assert len(stderr.strip().splitlines()) == 1, stderr  # Before: absl's 29 lines of flag help.
 
 
 @pytest.mark.parametrize('flags, message', [
