@@ -31,7 +31,6 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import app, flags, logging
@@ -60,36 +59,50 @@ class DamagedCheckpointError(Exception):
 _CHECKSUM_SEEDS = (0x9E3779B9, 0x85EBCA6B)
 
 
-def _mix(x: jax.Array) -> jax.Array:
-  """A 32-bit integer hash (murmur3's finaliser) applied elementwise to uint32."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
-  x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
-  return x ^ (x >> 16)
+def _mix(x: np.ndarray) -> np.ndarray:
+  """A 32-bit integer hash (murmur3's finaliser), elementwise on uint32 (wrapping)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(0x85EBCA6B)
+  x = x ^ (x >> np.uint32(13))
+  x = x * np.uint32(0xC2B2AE35)
+  return x ^ (x >> np.uint32(16))
 
 
-@jax.jit
-def _array_checksum(x: jax.Array) -> jax.Array:
-  """[2] uint32: sums of hash(bits, flat index) over the array's elements.
+def _shard_sums(data: np.ndarray, index: tuple, shape: tuple[int, ...]) -> np.ndarray:
+  """[2] uint32: sums of hash(bits, global flat index) over one shard's elements.
 
-  Sums modulo 2^32 do not depend on the order of the additions, so the result is the same
-  whatever the array's sharding and however many devices hold it.
+  index: the shard's slices into the whole array of `shape`. Sums modulo 2^32 do not depend
+  on the order of the additions, so shards add up to the whole array's sums.
   """
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    x = jax.random.key_data(x)
-  if x.dtype == jnp.bool_:
-    x = x.astype(jnp.uint8)
-  width = x.dtype.itemsize * 8
-  bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f'uint{width}')).astype(jnp.uint32)
-  # The flat (row-major) index from per-axis iotas: no reshape, so no resharding.
-  index = jnp.zeros(x.shape, jnp.uint32)
+  if data.dtype == np.bool_:
+    data = data.astype(np.uint8)
+  bits = data.view(f'uint{data.dtype.itemsize * 8}').astype(np.uint32)
+  flat_index = np.zeros(data.shape, np.uint32)
   stride = 1
-  for axis in reversed(range(x.ndim)):
-    index = index + jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis) * jnp.uint32(stride)
-    stride = (stride * x.shape[axis]) % 2**32
-  return jnp.stack([jnp.sum(_mix(bits ^ _mix(index + jnp.uint32(seed))), dtype=jnp.uint32)
-                    for seed in _CHECKSUM_SEEDS])
+  for axis in reversed(range(len(shape))):
+    start = index[axis].start or 0
+    coordinate = (np.arange(start, start + data.shape[axis], dtype=np.uint64) * stride) % 2**32
+    flat_index += coordinate.astype(np.uint32).reshape(
+        [-1 if a == axis else 1 for a in range(len(shape))])
+    stride = (stride * shape[axis]) % 2**32
+  bits, flat_index = np.atleast_1d(bits), np.atleast_1d(flat_index)  # Arrays wrap silently.
+  return np.array([np.sum(_mix(bits ^ _mix(flat_index + np.uint32(seed))), dtype=np.uint32)
+                   for seed in _CHECKSUM_SEEDS], np.uint32)
+
+
+def _local_sums(x: Any) -> np.ndarray:
+  """[2] uint32: this process's share of an array's sums (each element counted by one
+  process only: the shards with replica id 0)."""
+  if isinstance(x, jax.Array):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+      x = jax.random.key_data(x)
+    total = np.zeros(2, np.uint32)
+    for shard in x.addressable_shards:
+      if shard.replica_id == 0:
+        total += _shard_sums(np.asarray(shard.data), shard.index, x.shape)
+    return total
+  x = np.asarray(x)
+  return _shard_sums(x, tuple(slice(0, n) for n in x.shape), x.shape)
 
 
 def _path_name(path: tuple) -> str:
@@ -107,9 +120,16 @@ def _path_name(path: tuple) -> str:
 
 
 def checksums(tree: Any) -> dict[str, str]:
-  """Each array's checksum as 16 hex digits, keyed by its path in the tree."""
+  """Each array's checksum as 16 hex digits, keyed by its path in the tree.
+
+  Computed on the host from the shards this process holds (no compilation), then summed over
+  processes: the same digits whatever the arrays' sharding and however many devices and hosts
+  hold them.
+  """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  sums = jax.device_get([_array_checksum(leaf) for _, leaf in flat])
+  sums = np.stack([_local_sums(leaf) for _, leaf in flat]) if flat else np.zeros((0, 2))
+  if jax.process_count() > 1:
+    sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
   return {_path_name(path): ''.join(f'{int(v):08x}' for v in value)
           for (path, _), value in zip(flat, sums)}
 
@@ -131,7 +151,7 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state
          meta: dict[str, Any]) -> None:
   """Starts an asynchronous save of `step` (call `manager.wait_until_finished()` before exit).
 
-  The arrays' checksums are computed first (on the devices) and saved in `meta`.
+  The arrays' checksums are computed first and saved in `meta`.
   """
   meta = dict(meta, checksums={'params': checksums(params),
                                'optimizer': checksums(optimizer_state)})

@@ -109,7 +109,7 @@ def test_dropout_variants_drop_at_the_rate():
     np.testing.assert_allclose(out[out != 0], 1 / 0.7, rtol=1e-6)
 
 
-@pytest.mark.parametrize('cpu_tuned', [True, False])
+@pytest.mark.parametrize('cpu_tuned', [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_forward_mode_derivatives_match_the_plain_layer_norm_model(cpu_tuned):
   """jax.jvp and jax.jacfwd through the whole model, against cpu_tuned=False (nn.LayerNorm)."""
   layers = dict(num_encoder_layers=1, num_decoder_layers=1, pre_norm=True)

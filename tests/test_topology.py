@@ -80,6 +80,7 @@ def test_trained_on_eight_devices_decodes_averages_and_resumes_on_one_and_two(tm
   assert 'Resumed from step 8' in log and 'step 12/12' in log
 
 
+@pytest.mark.slow  # The other direction runs in the fast set (the test above).
 def test_trained_on_one_device_decodes_and_resumes_on_eight(tmp_path):
   workdir = str(tmp_path / 'run')
   run('train.py', '--config', 'configs/tiny.py', '--workdir', workdir, *CONFIG_FLAGS,
