@@ -11,6 +11,8 @@ config, `CheckpointMismatchError`, and changes nothing), restores, and recompute
 checksum (a difference, or files orbax cannot read, is damage: `DamagedCheckpointError`).
 `restore_newest` falls back from a damaged checkpoint to the next older one with a one-line
 warning; training also renames it `N.damaged` (kept, never deleted), readers leave it in place.
+With several processes, every process takes the same verdict (a checkpoint one of them cannot
+read is unusable for all), so they skip, stop or go on together.
 Restores read straight into the caller's device layout (target shardings), so a run trained on
 N devices decodes, averages and resumes on M.
 
@@ -90,9 +92,9 @@ def _shard_sums(data: np.ndarray, index: tuple, shape: tuple[int, ...]) -> np.nd
                    for seed in _CHECKSUM_SEEDS], np.uint32)
 
 
-def _local_sums(x: Any) -> np.ndarray:
+def _local_sums(x: Any) -> tuple[np.ndarray, bool]:
   """[2] uint32: this process's share of an array's sums (each element counted by one
-  process only: the shards with replica id 0)."""
+  process only: the shards with replica id 0), and whether other processes hold shares."""
   if isinstance(x, jax.Array):
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
       x = jax.random.key_data(x)
@@ -100,9 +102,9 @@ def _local_sums(x: Any) -> np.ndarray:
     for shard in x.addressable_shards:
       if shard.replica_id == 0:
         total += _shard_sums(np.asarray(shard.data), shard.index, x.shape)
-    return total
+    return total, not x.is_fully_addressable
   x = np.asarray(x)
-  return _shard_sums(x, tuple(slice(0, n) for n in x.shape), x.shape)
+  return _shard_sums(x, tuple(slice(0, n) for n in x.shape), x.shape), False
 
 
 def _path_name(path: tuple) -> str:
@@ -122,14 +124,18 @@ def _path_name(path: tuple) -> str:
 def checksums(tree: Any) -> dict[str, str]:
   """Each array's checksum as 16 hex digits, keyed by its path in the tree.
 
-  Computed on the host from the shards this process holds (no compilation), then summed over
-  processes: the same digits whatever the arrays' sharding and however many devices and hosts
-  hold them.
+  Computed on the host from the shards this process holds (no compilation), then, for arrays
+  spread over several processes, summed over processes: the same digits whatever the arrays'
+  sharding and however many devices and hosts hold them. With several processes, every
+  process calls it with the same tree.
   """
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  sums = np.stack([_local_sums(leaf) for _, leaf in flat]) if flat else np.zeros((0, 2))
-  if jax.process_count() > 1:
-    sums = np.sum(multihost_utils.process_allgather(sums), axis=0, dtype=np.uint32)
+  local = [_local_sums(leaf) for _, leaf in flat]
+  sums = np.stack([s for s, _ in local]) if flat else np.zeros((0, 2), np.uint32)
+  spread = np.array([is_global for _, is_global in local], bool)
+  if jax.process_count() > 1 and spread.any():
+    sums[spread] = np.sum(multihost_utils.process_allgather(sums[spread]), axis=0,
+                          dtype=np.uint32)
   return {_path_name(path): ''.join(f'{int(v):08x}' for v in value)
           for (path, _), value in zip(flat, sums)}
 
@@ -211,8 +217,8 @@ def _read_meta(path: str) -> dict[str, Any]:
   return meta
 
 
-def _read_item(path: str, target: Any, recorded: dict[str, str] | None) -> Any:
-  """Restores one saved item into `target` and checks it against `recorded` checksums.
+def _restore_item(path: str, target: Any) -> Any:
+  """Restores one saved item into `target`, without verifying it (this process only).
 
   target: an abstract tree (jax.ShapeDtypeStruct leaves with shardings) that must match the
   saved names and shapes, or a Sharding: the arrays as saved, each laid out by it.
@@ -227,17 +233,46 @@ def _read_item(path: str, target: Any, recorded: dict[str, str] | None) -> Any:
     if differences:
       raise CheckpointMismatchError(f'{item}: {"; ".join(differences)}')
   try:
-    restored = ocp.StandardCheckpointHandler().restore(epath.Path(path),
-                                                       args=ocp.args.StandardRestore(target))
+    return ocp.StandardCheckpointHandler().restore(epath.Path(path),
+                                                   args=ocp.args.StandardRestore(target))
   except Exception as error:  # noqa: BLE001 - any failure to read the arrays is damage.
     raise DamagedCheckpointError(f'{item} unreadable ({_short(error)})') from None
-  if recorded is not None:
-    actual = checksums(restored)
-    wrong = sorted(k for k, v in recorded.items() if actual.get(k) != v)
-    if wrong:
-      raise DamagedCheckpointError(f'{item}: {len(wrong)} array(s) differ from their checksums '
-                                   f'at saving (first: {wrong[0]})')
-  return restored
+
+
+def _verify(item: str, restored: Any, recorded: dict[str, str] | None) -> None:
+  """DamagedCheckpointError if a restored array differs from its checksum at saving."""
+  if recorded is None:  # Checkpoints of earlier code have none.
+    return
+  actual = checksums(restored)
+  wrong = sorted(k for k, v in recorded.items() if actual.get(k) != v)
+  if wrong:
+    raise DamagedCheckpointError(f'{item}: {len(wrong)} array(s) differ from their checksums '
+                                 f'at saving (first: {wrong[0]})')
+
+
+_MESSAGE_BYTES = 1024
+
+
+def _agree(error: Exception | None) -> Exception | None:
+  """One verdict for every process: the first process's error (None if none failed).
+
+  A file that one host cannot read makes the checkpoint unusable for all: every process then
+  skips it (or stops) together instead of waiting for the others in a collective.
+  """
+  if jax.process_count() == 1:
+    return error
+  kinds = (DamagedCheckpointError, CheckpointMismatchError)
+  row = np.zeros(1 + _MESSAGE_BYTES, np.int32)
+  if error is not None:
+    text = str(error).encode('utf-8')[:_MESSAGE_BYTES]
+    row[0] = 1 + kinds.index(type(error))
+    row[1:1 + len(text)] = np.frombuffer(text, np.uint8)
+  for process, (kind, *text) in enumerate(multihost_utils.process_allgather(row)):
+    if kind:
+      message = bytes(np.array(text, np.uint8)).rstrip(b'\0').decode('utf-8', 'replace')
+      return kinds[kind - 1](message if process == jax.process_index() else
+                             f'{message} (read by process {process})')
+  return None
 
 
 def read_checkpoint(path: str, targets: dict[str, Any],
@@ -256,12 +291,22 @@ def read_checkpoint(path: str, targets: dict[str, Any],
     CheckpointMismatchError: the saved names or shapes differ from a target's.
     DamagedCheckpointError: files missing or unreadable, or an array whose checksum differs.
   """
-  meta = _read_meta(path)
-  if step is not None and meta.get('step', step) != step:
-    raise DamagedCheckpointError(f'its meta records step {meta.get("step")}')
-  recorded = meta.get('checksums') or {}  # None in checkpoints of earlier code.
-  return {'meta': meta, **{item: _read_item(os.path.join(path, item), target, recorded.get(item))
-                           for item, target in targets.items()}}
+  restored, error = {}, None
+  try:
+    restored['meta'] = _read_meta(path)
+    if step is not None and restored['meta'].get('step', step) != step:
+      raise DamagedCheckpointError(f'its meta records step {restored["meta"].get("step")}')
+    for item, target in targets.items():
+      restored[item] = _restore_item(os.path.join(path, item), target)
+  except (DamagedCheckpointError, CheckpointMismatchError) as failure:
+    error = failure
+  error = _agree(error)  # Every process goes on, or raises, together.
+  if error is not None:
+    raise error
+  recorded = restored['meta'].get('checksums') or {}
+  for item in targets:
+    _verify(item, restored[item], recorded.get(item))
+  return restored
 
 
 def saved_steps(workdir: str) -> list[int]:
@@ -347,7 +392,7 @@ def _local_sharding() -> jax.sharding.Sharding:
 
 
 def restore_params(workdir: str, step: int, target: Any = None) -> Any:
-  """The verified params of checkpoint `step` into `target` (see `_read_item`; default: one
+  """The verified params of checkpoint `step` into `target` (see `read_checkpoint`; default: one
   local device); DamagedCheckpointError if that checkpoint is damaged."""
   target = _local_sharding() if target is None else target
   return read_checkpoint(step_path(workdir, step), {'params': target}, step=step)['params']
@@ -401,7 +446,7 @@ def _read_averaged(workdir: str, target: Any) -> Any:
                             f'--workdir {workdir} --average_last N` first.')
   try:
     if not os.path.isdir(os.path.join(path, 'params')):  # Earlier code: params only, no meta.
-      return _read_item(path, target, None)
+      return _restore_item(path, target)
     return read_checkpoint(path, {'params': target})['params']
   except DamagedCheckpointError as error:
     raise DamagedCheckpointError(

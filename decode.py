@@ -7,7 +7,9 @@
 
 `-` reads stdin / writes stdout. Every input line gives exactly one output line (an empty
 line gives an empty line); with --nbest N > 1 each line holds N tab-separated translations.
-Runs on whatever devices this machine has, whatever the run was trained on.
+Runs on whatever devices this machine has, whatever the run was trained on; with
+--distributed, on every device of several processes (as train.py), process 0 writing the
+output and the scores.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+import jax
 from absl import app, flags, logging
 
 import checkpoints
@@ -54,19 +57,21 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
                len(sources) / max(elapsed, 1e-9))
   lines = translations if nbest == 1 else ['\t'.join(t) for t in translations]
   text = ''.join(line + '\n' for line in lines)
-  if output == '-':
+  writes = jax.process_index() == 0  # Every process holds every translation; one writes.
+  if writes and output == '-':
     sys.stdout.write(text)
     sys.stdout.flush()
-  else:
+  elif writes:
     with open(output, 'w', encoding='utf-8') as f:
       f.write(text)
   if references is None:
     return None
   best = translations if nbest == 1 else [t[0] for t in translations]
   scores = translation.score(best, references)
-  print(f"BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})\n"
-        f"BLEU (lowercase) {scores['bleu_lowercase']:.2f}\n"
-        f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})", file=sys.stderr)
+  if writes:
+    print(f"BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})\n"
+          f"BLEU (lowercase) {scores['bleu_lowercase']:.2f}\n"
+          f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})", file=sys.stderr)
   return scores
 
 
@@ -84,6 +89,7 @@ def define_flags():
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
+  sharding.define_distributed_flags()
 
 
 def main(argv):
@@ -97,6 +103,9 @@ def main(argv):
   if FLAGS.output != '-' and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
     sys.exit(f'error: --output {FLAGS.output}: its folder does not exist.')
   console.quiet_libraries()
+  sharding.initialize_distributed_from_flags()
+  if jax.process_index() != 0:
+    logging.set_verbosity(logging.WARNING)
   try:
     decode(FLAGS.workdir, input_path=FLAGS.input, split=FLAGS.split, output=FLAGS.output,
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,

@@ -1,13 +1,14 @@
 """The device mesh and how arrays are laid out on it: shared by training, decoding and restores.
 
 Training splits batch rows over every device (`data` x `fsdp` mesh axes) and keeps parameters
-replicated, or split over `fsdp` for models too large for one device. Decoding splits sentences
-over the devices of whatever machine it runs on; checkpoints are restored straight into these
-layouts, so a run trained on N devices decodes and resumes on M.
+replicated, or, for models too large for one device, splits the large arrays over `fsdp`.
+Decoding splits sentences over the devices of whatever machine it runs on; checkpoints are
+restored straight into these layouts, so a run trained on N devices decodes and resumes on M.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +18,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ('data', 'fsdp')
+# Arrays with fewer elements stay replicated on an fsdp mesh: biases, LayerNorm scales, step
+# counters and PRNG keys save little memory and would cost an all-gather each.
+FSDP_MIN_SIZE = 1 << 16
 
 
 class MeshError(ValueError):
@@ -53,8 +57,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def parameter_spec(shape: tuple[int, ...], fsdp_size: int) -> P:
-  """Replicated, or (fsdp > 1) split along the largest dimension the fsdp axis divides."""
-  if fsdp_size > 1:
+  """Replicated, or (fsdp > 1, at least FSDP_MIN_SIZE elements) split along the largest
+  dimension the fsdp axis divides."""
+  if fsdp_size > 1 and math.prod(shape) >= FSDP_MIN_SIZE:
     for dim in sorted(range(len(shape)), key=lambda d: -shape[d]):
       if shape[dim] % fsdp_size == 0 and shape[dim] >= fsdp_size:
         spec = [None] * len(shape)
@@ -96,3 +101,32 @@ def one_program_in_flight(mesh: Mesh) -> bool:
   keep asynchronous dispatch.
   """
   return jax.default_backend() == 'cpu' and mesh.devices.size > 1
+
+
+# ----------------------------------------------------------------------------- several processes
+
+
+def define_distributed_flags() -> None:
+  """--distributed and its settings, shared by train.py and decode.py."""
+  from absl import flags
+  flags.DEFINE_bool('distributed', False, 'Run as one of several processes (hosts): calls '
+                    'jax.distributed.initialize(), which finds the coordinator, process count '
+                    'and index itself under SLURM, Open MPI, Kubernetes and on Cloud TPU; '
+                    'elsewhere set JAX_COORDINATOR_ADDRESS, --num_processes and --process_id.')
+  flags.DEFINE_integer('num_processes', None, 'With --distributed: how many processes the job '
+                       'has (default: from the cluster environment).', lower_bound=1)
+  flags.DEFINE_integer('process_id', None, "With --distributed: this process's index, 0 on "
+                       'the coordinator (default: from the cluster environment).', lower_bound=0)
+  flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'With --distributed: a process that '
+                       'has sent no heartbeat for this long counts as dead, and the others stop '
+                       'with an error.', lower_bound=1)
+
+
+def initialize_distributed_from_flags() -> None:
+  """jax.distributed.initialize() if --distributed was given (before any other JAX call)."""
+  from absl import flags
+  settings = flags.FLAGS
+  if settings.distributed:
+    jax.distributed.initialize(num_processes=settings.num_processes,
+                               process_id=settings.process_id,
+                               heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)

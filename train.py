@@ -6,9 +6,9 @@ Restarting with the same workdir resumes from the newest intact checkpoint (para
 optimizer state, step, RNG and data position); `--init_params_from=RUN` starts a new workdir
 from another run's parameters. SIGTERM/SIGINT save a checkpoint and exit with code 75
 (interrupted, resumable). One trainer per workdir (workdir_lock.py). On several
-hosts, set JAX_COORDINATOR_ADDRESS (or run under a launcher that jax.distributed detects) and
-pass --distributed. On the CPU backend it first restarts itself once with malloc settings that
-keep XLA:CPU's per-step buffers mapped (glibc_malloc.py).
+hosts, start the same command on each with --distributed (README: "Running on a cluster").
+On the CPU backend it first restarts itself once with malloc settings that keep XLA:CPU's
+per-step buffers mapped (glibc_malloc.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import traceback
 from typing import Any
 
 import jax
@@ -34,6 +35,7 @@ import ml_collections
 import numpy as np
 import optax
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 from ml_collections import config_flags
 
@@ -483,30 +485,65 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """Runs (or resumes) training; returns the final state, step and last metrics.
 
   SIGTERM/SIGINT at any point, data loading and compilation included, end the run after the
-  current step with a checkpoint ('stopped' in the result). A fresh run starts from the
-  parameters of `init_params_from` when given (see restore_or_init).
+  current step with a checkpoint ('stopped' in the result). With several processes, a signal
+  to any of them stops every process after the same step (see StopRequests). A fresh run
+  starts from the parameters of `init_params_from` when given (see restore_or_init).
   """
   mesh = sharding.make_mesh(config.mesh_shape)
   validate_config(config, mesh)
   os.makedirs(workdir, exist_ok=True)
-  stop_signal = []
+  with StopRequests() as stop_requests, workdir_lock.WorkdirLock(workdir):
+    # The lock comes before anything else touches the workdir.
+    return _train_and_evaluate(config, workdir, mesh, stop_requests, init_params_from)
 
-  def request_stop(signum, frame):
-    del frame
-    logging.warning('Received signal %d: saving a checkpoint and stopping.', signum)
-    stop_signal.append(signum)
 
-  previous_handlers = {s: signal.signal(s, request_stop) for s in (signal.SIGTERM, signal.SIGINT)}
-  try:
-    with workdir_lock.WorkdirLock(workdir):  # Before anything else touches the workdir.
-      return _train_and_evaluate(config, workdir, mesh, stop_signal, init_params_from)
-  finally:
-    for sig, handler in previous_handlers.items():
+class StopRequests:
+  """SIGTERM and SIGINT, turned into a stop after a step that every process agrees on.
+
+  One process: a signal handler notes the request. Several processes: JAX's preemption
+  service (started by jax.distributed.initialize) catches SIGTERM on any process and picks a
+  step at which `stop_after(step)` is true on all of them, so every process saves the same
+  checkpoint and no process waits in a collective for a peer that has left; SIGINT is passed
+  on to it as SIGTERM.
+  """
+
+  def __init__(self):
+    self.coordinated = jax.process_count() > 1
+    self.signals: list[int] = []
+    self._previous = {}
+
+  def __enter__(self) -> StopRequests:
+    caught = (signal.SIGINT,) if self.coordinated else (signal.SIGTERM, signal.SIGINT)
+    self._previous = {s: signal.signal(s, self._handle) for s in caught}
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+  def _handle(self, signum, frame) -> None:
+    del frame
+    if self.coordinated:
+      os.kill(os.getpid(), signal.SIGTERM)  # To the preemption service's handler.
+      return
+    logging.warning('Received signal %d: saving a checkpoint and stopping.', signum)
+    self.signals.append(signum)
+
+  def stop_after(self, step: int) -> bool:
+    """Whether to stop after `step` (call once per step, steps increasing, on every process)."""
+    if not self.coordinated:
+      return bool(self.signals)
+    if multihost_utils.reached_preemption_sync_point(step):
+      logging.warning('A process received SIGTERM: every process saves step %d and stops.',
+                      step)
+      self.signals.append(signal.SIGTERM)
+      return True
+    return False
 
 
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: Mesh,
-                        stop_signal: list[int], init_params_from: str | None) -> dict[str, Any]:
+                        stop_requests: StopRequests,
+                        init_params_from: str | None) -> dict[str, Any]:
 
   # Model, optimizer, and the state from the newest checkpoint or fresh: before anything in
   # the workdir changes, so a config that does not fit the checkpoints changes nothing.
@@ -562,7 +599,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   last_metrics: dict[str, Any] = {}
   step = start_step
   logging.info('Training from step %d to %d.', start_step, last_step)
-  while step < last_step and not stop_signal:
+  stopped = stop_requests.stop_after(step)
+  while step < last_step and not stopped:
     batch = sharding.from_host_rows(next(train_iter), batch_sharding)
     state, metrics = step_fn(state, batch)
     if sync_each_step:
@@ -620,19 +658,20 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
 
     if is_time(step, config.checkpoint_every_steps, last_step):
       save(step)
+    stopped = stop_requests.stop_after(step)
 
-  if stop_signal and (not manager.all_steps() or manager.latest_step() != step):
+  if stopped and (not manager.all_steps() or manager.latest_step() != step):
     save(step)
   manager.wait_until_finished()
   writer.close()
   train_iter.close()
-  if stop_signal:
+  if stopped:
     logging.warning('Stopped by signal at step %d with a checkpoint; rerun the same command to '
                     'resume (exit code %d).', step, EXIT_INTERRUPTED)
   else:
     logging.info('Done: step %d in %s; checkpoints in %s.', step,
                  console.format_duration(time.time() - loop_start), manager.directory)
-  return {'state': state, 'metrics': last_metrics, 'step': step, 'stopped': bool(stop_signal),
+  return {'state': state, 'metrics': last_metrics, 'step': step, 'stopped': stopped,
           'translator': translator}
 
 
@@ -653,7 +692,7 @@ def define_flags():
   except (AttributeError, KeyError) as error:
     exit_on_unknown_config_key(error)
   flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, logs, tokenizer).')
-  flags.DEFINE_bool('distributed', False, 'Call jax.distributed.initialize() (multi-host).')
+  sharding.define_distributed_flags()
   flags.DEFINE_string('init_params_from', None, 'A fresh run starts from the parameters of '
                       "another run: 'RUN_DIR' (its newest checkpoint), 'RUN_DIR:STEP' or "
                       "'RUN_DIR:averaged'; optimizer state and step start anew (fine-tuning).")
@@ -678,14 +717,28 @@ def out_of_space_message(workdir: str) -> str:
           'rerun the same command to resume.')
 
 
+def fail(message: str, at_once: bool = False) -> None:
+  """Ends the process with one error line and exit code 1.
+
+  With several processes it leaves at once: a normal exit waits in JAX's shutdown barrier for
+  peers that may be waiting for this process elsewhere (five minutes, then an abort). The
+  coordination service tells the peers; they stop with an error too.
+  """
+  logging.error('%s', message)
+  sys.stderr.write(f'error: {message}\n')
+  sys.stderr.flush()
+  if at_once or jax.process_count() > 1:
+    os._exit(1)
+  sys.exit(1)
+
+
 def main(argv):
   if len(argv) > 1:
     sys.exit(f'error: unexpected arguments {argv[1:]} (flags take the form --name=value).')
   if FLAGS.workdir is None:
     sys.exit('error: --workdir is required.')
   console.quiet_libraries()
-  if FLAGS.distributed:
-    jax.distributed.initialize()
+  sharding.initialize_distributed_from_flags()
   if jax.process_index() != 0:  # One host speaks for the run; the others only warn.
     logging.set_verbosity(logging.WARNING)
   try:
@@ -693,17 +746,15 @@ def main(argv):
   except (ConfigError, sharding.MeshError, input_pipeline.DataError, FileNotFoundError,
           FloatingPointError, checkpoints.CheckpointMismatchError,
           checkpoints.DamagedCheckpointError, workdir_lock.WorkdirLockedError) as error:
-    logging.error('%s', error)
-    sys.exit(f'error: {error}')
-  except Exception as error:  # noqa: BLE001 - only a full disk is turned into one line.
-    if not console.is_out_of_space(error):
+    fail(str(error))
+  except Exception as error:  # noqa: BLE001 - a full disk is one line; the rest a traceback.
+    if console.is_out_of_space(error):
+      # Orbax's writer threads may still hold the failed save: leave without waiting for them.
+      fail(out_of_space_message(FLAGS.workdir), at_once=True)
+    if jax.process_count() == 1:
       raise
-    message = out_of_space_message(FLAGS.workdir)
-    logging.error('%s', message)
-    # Orbax's writer threads may still hold the failed save: leave without waiting for them.
-    sys.stderr.write(f'error: {message}\n')
-    sys.stderr.flush()
-    os._exit(1)
+    traceback.print_exc()
+    fail(f'process {jax.process_index()} failed: {type(error).__name__}: {error}')
   if result['stopped']:
     sys.exit(EXIT_INTERRUPTED)
 

@@ -1,4 +1,5 @@
-"""Test setup: 8 fake CPU devices (set before JAX is imported) and the local Multi30k copy."""
+"""Test setup: 8 fake CPU devices (set before JAX is imported), the local Multi30k copy, and
+one compilation cache for the session."""
 
 import os
 import pathlib
@@ -15,3 +16,8 @@ if SHARED_MULTI30K.is_dir():
 
 # TFDS prepares datasets into a fresh folder per test session, never the user's ~/.
 os.environ.setdefault('TFDS_DATA_DIR', tempfile.mkdtemp(prefix='tfds_'))
+
+# Many tests (and the processes they start) compile the same tiny programs: XLA compiles each
+# once per test session, into a fresh folder, and later jits load it.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', tempfile.mkdtemp(prefix='jax_cache_'))
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')

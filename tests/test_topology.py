@@ -61,6 +61,7 @@ def decode_on(workdir: str, num_devices: int, checkpoint: str | None = None) -> 
   return translator(params, SOURCES)
 
 
+@pytest.mark.slow  # tests/test_multiprocess.py moves a 2-process run to 1 and 4 devices.
 def test_trained_on_eight_devices_decodes_averages_and_resumes_on_one_and_two(tmp_path):
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(config_for(8), workdir)  # This process: 8 devices.

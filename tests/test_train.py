@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import checkpoints
 import sharding
@@ -203,7 +204,8 @@ def test_loss_falls_near_zero_on_a_copy_task():
 @pytest.mark.parametrize('mesh_shape', [  # The fast set runs the mesh with both axes.
     pytest.param('data:8', marks=pytest.mark.slow), 'data:4,fsdp:2',
     pytest.param('data:1,fsdp:8', marks=pytest.mark.slow)])
-def test_eight_devices_match_one_device(mesh_shape):
+def test_eight_devices_match_one_device(mesh_shape, monkeypatch):
+  monkeypatch.setattr(sharding, 'FSDP_MIN_SIZE', 1)  # The tiny model's arrays split too.
   assert len(jax.devices()) >= 8, 'conftest sets 8 fake CPU devices'
   rng = np.random.default_rng(1)
   batches = [random_batch(rng, 16, 24, 40) for _ in range(3)]
@@ -225,11 +227,23 @@ def test_eight_devices_match_one_device(mesh_shape):
   assert moved > 1e-3
 
 
-def test_fsdp_shards_parameters():
+def test_fsdp_shards_parameters(monkeypatch):
+  monkeypatch.setattr(sharding, 'FSDP_MIN_SIZE', 1)
   config = small_config({'mesh_shape': 'data:4,fsdp:2'})
   state, _, _ = _setup(config, jax.devices()[:8])
   specs = {str(x.sharding.spec) for x in jax.tree_util.tree_leaves(state['params'])}
   assert any('fsdp' in spec for spec in specs), specs
+
+
+def test_fsdp_shards_only_large_arrays():
+  """Biases, LayerNorm scales and PRNG keys stay whole: splitting them saves little memory
+  and costs an all-gather each (earlier code split a [2] PRNG key and every bias)."""
+  assert sharding.parameter_spec((2,), 2) == P()  # A PRNG key's data.
+  assert sharding.parameter_spec((2048,), 2) == P()  # A base model's feed-forward bias.
+  assert sharding.parameter_spec((512, 2048), 2) == P(None, 'fsdp')
+  assert sharding.parameter_spec((37000, 512), 4) == P('fsdp', None)
+  assert sharding.parameter_spec((511, 509), 2) == P()  # Nothing the axis divides.
+  assert sharding.parameter_spec((512, 2048), 1) == P()
 
 
 def test_gradient_accumulation_equals_one_big_batch():

@@ -1,0 +1,217 @@
+"""Training and decoding on several processes, as on a cluster: 2 processes x 2 CPU devices.
+
+Each process is started with the environment of a SLURM task and `--distributed`
+(tests/cluster_launcher.py); JAX's collectives between them run over gloo. The claims: a 2-process
+run equals a 1-process run on the same 4 devices; SIGTERM to one process stops every process
+after the same step and the restart continues exactly; a killed process makes the others stop
+with an error instead of hanging; a damaged checkpoint is judged the same by every process;
+a run moves between topologies (2x2 -> 1x1 and 2x2 decoding, 1x4 training).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import time
+
+import cluster_launcher
+import numpy as np
+import pytest
+
+MULTI30K = os.environ.get('MULTI30K_DIR', '')
+pytestmark = pytest.mark.skipif(
+    not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
+    reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
+
+# configs/tiny.py with dropout (its masks must not depend on the processes), evaluation and
+# BLEU every 32 steps, and every checkpoint kept. A small learning rate: tiny's own makes every
+# translation the same string of one piece within a few steps, while near its random start a
+# model translates each sentence into different text (so a mixed-up order changes the scores),
+# and each step still moves the parameters by about 1e-4, far over the tolerances below.
+TRAIN_FLAGS = ('--config', 'configs/tiny.py', '--config.optimizer.learning_rate_scale=0.01',
+               '--config.checkpoint_every_steps=4',
+               '--config.keep_checkpoints=100', '--config.eval.every_steps=32',
+               '--config.eval.bleu_every_steps=32', '--config.eval.bleu_sentences=32')
+TWO_PROCESS_STEPS = 64
+SOURCES = ['A man rides a bike down the street.', '', 'Two dogs play in the snow.',
+           'A woman is reading a book in a park.', 'Children are playing soccer on a field.']
+
+
+def train(workdir, steps: int, num_processes: int = 2, devices_per_process: int = 2, *flags):
+  return cluster_launcher.run('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
+                          f'--config.num_train_steps={steps}', *flags,
+                          num_processes=num_processes, devices_per_process=devices_per_process)
+
+
+def params_at(workdir, step: int) -> dict[str, np.ndarray]:
+  """The saved parameters of checkpoint `step`, flattened to {path: array} (read in this
+  process, on one device)."""
+  import jax
+
+  import checkpoints
+  params = checkpoints.restore_params(str(workdir), step)
+  flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(params))
+  return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
+
+
+def assert_params_close(workdir, step, reference_workdir, atol=0.0):
+  """Parameters of checkpoint `step` of two runs: equal (atol 0), or within atol."""
+  got, want = params_at(workdir, step), params_at(reference_workdir, step)
+  assert got.keys() == want.keys()
+  for name in got:
+    np.testing.assert_allclose(got[name], want[name], rtol=0, atol=atol, err_msg=name)
+
+
+# Between meshes of different processes the all-reduce adds in another order: over a few
+# steps the in-process multi-device test's tolerance (tests/test_train.py: Adam scales
+# near-zero gradient entries up); over tens of steps at tiny's large learning rate the
+# differences grow chaotically, so runs on different meshes are compared early.
+ONE_STEP_ATOL = 1e-5
+
+
+def eval_rows(workdir) -> dict[int, dict]:
+  rows = {}
+  with open(os.path.join(workdir, 'metrics.jsonl'), encoding='utf-8') as f:
+    for line in f:
+      row = json.loads(line)
+      if 'eval_nll' in row:
+        rows[row['step']] = row
+  return rows
+
+
+@pytest.fixture(scope='module')
+def two_process_run(tmp_path_factory):
+  """2 processes x 2 devices, 64 steps, a checkpoint every 4."""
+  workdir = tmp_path_factory.mktemp('two_processes') / 'run'
+  finished = train(workdir, TWO_PROCESS_STEPS)
+  return workdir, finished
+
+
+def copy_up_to(run, step: int, workdir):
+  """A copy of a run's workdir as it was at `step` (later checkpoints removed)."""
+  shutil.copytree(run, workdir)
+  for name in os.listdir(workdir / 'checkpoints'):
+    if int(name) > step:
+      shutil.rmtree(workdir / 'checkpoints' / name)
+
+
+def test_two_processes_train_and_evaluate_like_one(tmp_path, two_process_run):
+  workdir, finished = two_process_run
+  assert 'over 4 devices on 2 hosts' in finished[0].stderr
+  one_process = tmp_path / 'run'
+  train(one_process, 4, 1, 4, '--config.eval.bleu_sentences=0')
+  assert_params_close(workdir, 4, one_process, atol=ONE_STEP_ATOL)
+  # Validation BLEU during the 2-process run equals this process's on the same parameters.
+  import jax
+
+  import input_pipeline
+  import sharding
+  import translation
+  config, tokenizer, model = translation.load_run(str(workdir))
+  mesh = sharding.make_mesh('', jax.devices()[:1])
+  params, _ = translation.load_params(str(workdir), mesh, 32)
+  sources, references = input_pipeline.read_split(config, config.data.eval_split)
+  count = config.eval.bleu_sentences
+  translations = translation.Translator(model, tokenizer, config.decode, mesh)(params,
+                                                                               sources[:count])
+  scores = translation.score(translations, references[:count])
+  logged = eval_rows(workdir)[32]
+  assert scores['chrf'] > 0 and len(set(translations)) > count // 2  # Varied translations.
+  for key in ('bleu', 'bleu_lowercase', 'chrf'):
+    assert logged[f'eval_{key}'] == pytest.approx(scores[key], abs=1e-9), key
+  # One process writes the run's files.
+  assert set(os.listdir(os.path.join(workdir, 'checkpoints'))) == {
+      str(step) for step in range(4, TWO_PROCESS_STEPS + 1, 4)}
+
+
+def test_sigterm_to_one_process_stops_all_at_one_step_and_resumes_exactly(tmp_path,
+                                                                           two_process_run):
+  workdir = tmp_path / 'run'
+  processes = cluster_launcher.Processes('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
+                                     '--config.num_train_steps=100000')
+  cluster_launcher.wait_for(lambda: os.path.isdir(workdir / 'checkpoints' / '4'), 300,
+                        'checkpoint 4', processes)
+  processes.send(1, signal.SIGTERM)
+  finished = processes.wait(timeout=600)
+  assert [f.returncode for f in finished] == [75, 75], [f.stderr[-2000:] for f in finished]
+  stopped_at = {int(re.search(r'Stopped by signal at step (\d+)', f.stderr).group(1))
+                for f in finished}
+  assert len(stopped_at) == 1, stopped_at  # Every process saved the same step.
+  step = stopped_at.pop()
+  assert os.path.isdir(workdir / 'checkpoints' / str(step))
+  resume_to = (step // 4 + 1) * 4  # A step the uninterrupted run saved.
+  assert resume_to <= TWO_PROCESS_STEPS, f'stopped late (step {step}): a very slow machine?'
+  finished = train(workdir, resume_to)
+  assert f'Resumed from step {step}' in finished[0].stderr
+  assert_params_close(workdir, resume_to, two_process_run[0])
+
+
+@pytest.mark.slow
+def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_run):
+  workdir = tmp_path / 'run'
+  processes = cluster_launcher.Processes('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
+                                     '--config.num_train_steps=100000',
+                                     '--heartbeat_timeout_seconds=10')
+  cluster_launcher.wait_for(lambda: os.path.isdir(workdir / 'checkpoints' / '8'), 300,
+                        'checkpoint 8', processes)
+  killed_at = time.time()
+  processes.send(1, signal.SIGKILL)
+  survivor = processes.wait(timeout=time.time() - processes.started + 120)[0]
+  assert survivor.returncode != 0
+  assert time.time() - killed_at < 60  # The heartbeat timeout (10 s) and the abort.
+  assert 'another task died' in survivor.stderr or 'unhealthy' in survivor.stderr
+  saved = sorted(int(s) for s in os.listdir(workdir / 'checkpoints') if s.isdigit())
+  assert saved[-1] + 4 <= TWO_PROCESS_STEPS, f'killed late (step {saved[-1]})'
+  finished = train(workdir, saved[-1] + 4)  # Takes over the dead trainer's lock, too.
+  assert f'Resumed from step {saved[-1]}' in finished[0].stderr
+  assert_params_close(workdir, saved[-1] + 4, two_process_run[0])
+
+
+@pytest.mark.slow
+def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path,
+                                                                        two_process_run):
+  workdir = tmp_path / 'run'
+  copy_up_to(two_process_run[0], 32, workdir)
+  mismatch = cluster_launcher.Processes('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
+                                    '--config.num_train_steps=36', '--config.model.d_ff=128')
+  for result in mismatch.wait():
+    assert result.returncode == 1 and 'do not fit this config' in result.stderr
+  assert not [d for d in os.listdir(workdir / 'checkpoints') if 'damaged' in d]
+  # Every process must reach the same verdict and fall back to the same step.
+  for root, _, files in os.walk(workdir / 'checkpoints' / '32' / 'params'):
+    for name in files:
+      path = os.path.join(root, name)
+      data = bytearray(open(path, 'rb').read())
+      data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
+      open(path, 'wb').write(bytes(data))
+  finished = train(workdir, 36)
+  for result in finished:
+    assert 'Skipping damaged checkpoint 32' in result.stderr
+  assert 'Resumed from step 28' in finished[0].stderr
+  assert sorted(d for d in os.listdir(workdir / 'checkpoints') if 'damaged' in d) == [
+      '32.damaged']
+  assert_params_close(workdir, 36, two_process_run[0])
+
+
+def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
+    tmp_path, two_process_run):
+  workdir = tmp_path / 'run'
+  copy_up_to(two_process_run[0], 32, workdir)
+  source = tmp_path / 'source.txt'
+  source.write_text(''.join(s + '\n' for s in SOURCES), encoding='utf-8')
+  outputs = {}
+  for num_processes, devices in ((1, 1), (2, 2)):
+    output = tmp_path / f'{num_processes}x{devices}.txt'
+    cluster_launcher.run('decode.py', f'--workdir={workdir}', f'--input={source}',
+                     f'--output={output}', num_processes=num_processes,
+                     devices_per_process=devices)
+    outputs[num_processes] = output.read_text(encoding='utf-8').split('\n')
+  assert outputs[2] == outputs[1]  # One complete output, in input order.
+  assert len(outputs[1]) == len(SOURCES) + 1 and outputs[1][1] == ''
+  assert len({line for line in outputs[1] if line}) == len(SOURCES) - 1  # All different.
+  finished = train(workdir, 36, 1, 4)
+  assert 'Resumed from step 32' in finished[0].stderr
+  assert_params_close(workdir, 36, two_process_run[0], atol=ONE_STEP_ATOL)
