@@ -1,27 +1,38 @@
-"""Input pipeline: TFDS sources, joint sentencepiece BPE, packed training batches.
+"""Input pipeline: TFDS sources, joint sentencepiece BPE, packed training batches in streams.
 
 Sources (`config.data.dataset_name`), all read through TFDS / tf.data:
   * any TFDS translation dataset, e.g. 'wmt14_translate/de-en';
   * 'multi30k': the project's own builder below (Multi30k task 1, en/de/fr);
   * 'folder:/path': aligned plain-text files `{split}.{lang}` (e.g. train.en, train.de).
 
-Raw text is read once per split, tokenized in one vectorised sentencepiece call and kept
-in memory as int32 arrays. Training rows are then packed in numpy, one epoch at a time
-(the next epoch is packed in a background thread), which makes the stream exactly
-reproducible from (seed, epoch, batch_in_epoch) without checkpointing tf.data state.
+TFDS reads the text; numpy does the rest. Training data flows in `config.data.num_streams`
+streams: stream s reads only its even split of the train split (`tfds.even_splits`), tokenizes
+it in chunks of 8,192 pairs (one sentencepiece call per side) and keeps its pairs flat (one
+token array per side plus offsets, uint16 when the vocabulary fits). Per epoch it permutes its
+pairs with a generator seeded by (seed, stream, epoch), packs them best-fit in windows and
+shuffles the rows; an epoch is kept as pair order + row offsets, and each step's arrays are
+built from them on demand. A step's global batch is every stream's rows, in stream order, and
+process p of P runs the streams [p * S / P, (p + 1) * S / P): the global batches do not depend
+on the number of processes, and each process returns its contiguous slice of them. The stream
+position, (epoch, batch_in_epoch) per stream, is the whole resumable state.
+
+Process 0 alone trains the tokenizer and prepares TFDS data; the other processes wait for them.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import gzip
 import hashlib
 import io
+import itertools
 import os
 import shutil
 import socket
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,6 +45,11 @@ from model import EOS_ID, PAD_ID, UNK_ID
 MULTI30K_ENV = 'MULTI30K_DIR'
 FEATURE_KEYS = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
                 'inputs_positions', 'targets_positions')
+READ_CHUNK_PAIRS = 8192  # Pairs per TFDS batch, and per sentencepiece call.
+# How processes other than 0 wait for what process 0 makes (a tokenizer, prepared data).
+WAIT_POLL_SECONDS = 1.0
+WAIT_LOG_SECONDS = 30.0
+WAIT_TIMEOUT_SECONDS = 3600.0
 
 
 class DataError(ValueError):
@@ -255,44 +271,94 @@ def _builder(config) -> tfds.core.DatasetBuilder:
                     "'folder:/path/to/dir'.") from e
 
 
-def read_split(config, split: str) -> tuple[list[str], list[str]]:
-  """All (source, target) texts of a split, in dataset order, whitespace-stripped.
+def wait_for(what: str, ready: Callable[[], bool], process_index: int) -> None:
+  """Polls `ready()` until it holds; logs every WAIT_LOG_SECONDS, fails after the timeout."""
+  start = last_log = time.monotonic()
+  while not ready():
+    now = time.monotonic()
+    if now - start > WAIT_TIMEOUT_SECONDS:
+      raise DataError(f'Process {process_index} waited {now - start:.0f} s for {what}, which '
+                      'process 0 makes: check that process 0 runs and what its log says.')
+    if now - last_log >= WAIT_LOG_SECONDS:
+      logging.info('Process %d waits for %s (%.0f s so far).', process_index, what, now - start)
+      last_log = now
+    time.sleep(WAIT_POLL_SECONDS)
 
-  Pairs with an empty side are dropped (and counted) for `config.data.train_split` only;
-  evaluation splits keep them so that outputs stay aligned with reference files.
+
+def prepared_builder(config, *, process_index: int = 0,
+                     process_count: int = 1) -> tfds.core.DatasetBuilder:
+  """The builder of config.data.dataset_name, prepared in its data_dir.
+
+  Process 0 downloads and prepares (once; later runs read the prepared copy); the other
+  processes wait until it is prepared, so they never write into the same data_dir at once.
   """
   builder = _builder(config)
-  config = config.data
-  src_lang, tgt_lang = config.source_lang, config.target_lang
-  if isinstance(builder, ParallelTextFolder) and split not in builder.splits():
-    read_parallel_files(builder._folder, split, (src_lang, tgt_lang))  # Raises naming files.
+  data = config.data
   langs = list(builder.info.features.keys())  # Known before (a long) prepare.
-  for lang in (src_lang, tgt_lang):
+  for lang in (data.source_lang, data.target_lang):
     if lang not in langs:
-      raise DataError(f'Language {lang!r} not in {config.dataset_name!r} (has {langs}); '
+      raise DataError(f'Language {lang!r} not in {data.dataset_name!r} (has {langs}); '
                       'check config.data.source_lang / config.data.target_lang.')
-  if not builder.is_prepared():
+  if builder.is_prepared():
+    return builder
+  if process_index == 0:
     logging.info('Preparing %s in %s (once; later runs read it from there).',
-                 config.dataset_name, builder.data_dir)
-  builder.download_and_prepare()
+                 data.dataset_name, builder.data_dir)
+    builder.download_and_prepare()
+    return builder
+  wait_for(f'{data.dataset_name} to be prepared in {builder.data_dir}', builder.is_prepared,
+           process_index)
+  return _builder(config)  # Reads the prepared copy's info (split sizes).
+
+
+def _check_split(builder: tfds.core.DatasetBuilder, config, split: str) -> None:
   if split not in builder.info.splits:
-    raise MissingDataError(f'Split {split!r} not in {config.dataset_name!r}; available: '
+    raise MissingDataError(f'Split {split!r} not in {config.data.dataset_name!r}; available: '
                            f'{sorted(builder.info.splits)}.')
-  ds = builder.as_dataset(split=split, shuffle_files=False).batch(8192)
-  src, tgt = [], []
+
+
+def _text_chunks(builder: tfds.core.DatasetBuilder, config,
+                 split) -> Iterator[tuple[list[str], list[str]]]:
+  """(sources, targets) of a split (or sub-split), whitespace-stripped, READ_CHUNK_PAIRS at a time.
+
+  In dataset order: files are read in order (shuffle_files=False).
+  """
+  src_lang, tgt_lang = config.data.source_lang, config.data.target_lang
+  ds = builder.as_dataset(split=split, shuffle_files=False).batch(READ_CHUNK_PAIRS)
   for batch in tfds.as_numpy(ds):
-    src.extend(s.decode('utf-8').strip() for s in batch[src_lang])
-    tgt.extend(t.decode('utf-8').strip() for t in batch[tgt_lang])
+    yield ([s.decode('utf-8').strip() for s in batch[src_lang]],
+           [t.decode('utf-8').strip() for t in batch[tgt_lang]])
+
+
+def read_split(config, split: str, *, process_index: int = 0,
+               process_count: int = 1) -> tuple[list[str], list[str]]:
+  """All (source, target) texts of a split, in dataset order, whitespace-stripped.
+
+  For evaluation and decoding (the train split goes through the streams instead). Pairs with
+  an empty side are dropped (and counted) for `config.data.train_split` only; evaluation splits
+  keep them so that outputs stay aligned with reference files. process_index/process_count:
+  see `prepared_builder`.
+  """
+  data = config.data
+  builder = _builder(config)
+  if isinstance(builder, ParallelTextFolder) and split not in builder.splits():
+    read_parallel_files(builder._folder, split, (data.source_lang, data.target_lang))  # Raises.
+  builder = prepared_builder(config, process_index=process_index, process_count=process_count)
+  _check_split(builder, config, split)
+  src, tgt = [], []
+  for s, t in _text_chunks(builder, config, split):
+    src.extend(s)
+    tgt.extend(t)
   empty = sum(1 for s, t in zip(src, tgt, strict=True) if not s or not t)
-  if empty and split == config.train_split:
+  if empty and split == data.train_split:
     keep = [i for i, (s, t) in enumerate(zip(src, tgt, strict=True)) if s and t]
     src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
-    logging.warning('%s/%s: skipped %d pairs with an empty side.', config.dataset_name, split,
+    logging.warning('%s/%s: skipped %d pairs with an empty side.', data.dataset_name, split,
                     empty)
   elif empty:
-    logging.warning('%s/%s: %d pairs have an empty side (kept).', config.dataset_name, split,
+    logging.warning('%s/%s: %d pairs have an empty side (kept).', data.dataset_name, split,
                     empty)
-  logging.info('%s/%s: %d pairs.', config.dataset_name, split, len(src))
+  logging.info('%s/%s: %d pairs.', data.dataset_name, split, len(src))
   return src, tgt
 
 
@@ -305,11 +371,20 @@ class Tokenizer:
   def __init__(self, sp: spm.SentencePieceProcessor):
     self._sp = sp
     self.vocab_size = sp.get_piece_size()
+    # Smallest unsigned dtype that holds every id: what flat token arrays are stored in.
+    self.token_dtype = np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.int32)
 
   def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
     """Int32 id arrays [len_i], each ending with EOS_ID (one batched C++ call)."""
     ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
     return [np.asarray(x, np.int32) for x in ids]
+
+  def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """All texts' ids end to end [total] (token_dtype), each ending with EOS_ID; lengths [n]."""
+    ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
+    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+    tokens = np.fromiter(itertools.chain.from_iterable(ids), self.token_dtype, int(lengths.sum()))
+    return tokens, lengths
 
   def decode(self, ids) -> str:
     """One sequence [len]: stops at the first EOS, ignores PAD."""
@@ -332,15 +407,46 @@ def load_tokenizer(path: str) -> Tokenizer:
   return Tokenizer(spm.SentencePieceProcessor(model_file=path))
 
 
-def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
-  """Loads workdir/tokenizer.model, or trains it on a seeded sample of the train split.
+def tokenizer_sample(config) -> list[str]:
+  """The texts the tokenizer trains on: a seeded sample of the train split's pairs.
 
-  Its vocabulary is config.model.vocab_size. Deterministic: the sample (at most
-  config.data.spm_sample_size sentences of both sides) is fed in corpus order and trained
-  single-threaded, so same data + seed = same bytes.
+  At most config.data.spm_sample_size sentences: both sides of spm_sample_size // 2 pairs
+  drawn without replacement (seed config.seed; every pair when the split is that small),
+  all sources then all targets, each in corpus order. Streams the split in chunks and keeps
+  only the drawn pairs' text; pairs with an empty side are left out.
+  """
+  data = config.data
+  builder = prepared_builder(config)
+  _check_split(builder, config, data.train_split)
+  num_pairs = builder.info.splits[data.train_split].num_examples
+  drawn = None  # [num_pairs] bool, or None: every pair.
+  if 2 * num_pairs > data.spm_sample_size:
+    rng = np.random.default_rng(config.seed)
+    drawn = np.zeros(num_pairs, bool)
+    drawn[rng.choice(num_pairs, data.spm_sample_size // 2, replace=False)] = True
+  sources, targets, start = [], [], 0
+  for src, tgt in _text_chunks(builder, config, data.train_split):
+    chunk = range(len(src)) if drawn is None else np.flatnonzero(drawn[start:start + len(src)])
+    start += len(src)
+    for i in chunk:
+      if src[i] and tgt[i]:
+        sources.append(src[i])
+        targets.append(tgt[i])
+  return sources + targets
+
+
+def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0,
+                            process_count: int = 1) -> Tokenizer:
+  """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`.
+
+  Its vocabulary is config.model.vocab_size. Deterministic: the sample is fed in corpus order
+  and trained single-threaded, so same data + seed = same bytes. Only process 0 trains (and
+  prepares the data for it); the others wait for the file (workdir is shared by all processes).
   """
   path = os.path.join(workdir, 'tokenizer.model')
   vocab_size = config.model.vocab_size
+  if not os.path.isfile(path) and process_index != 0:
+    wait_for(path, lambda: os.path.isfile(path), process_index)
   if os.path.isfile(path):
     tokenizer = load_tokenizer(path)
     if tokenizer.vocab_size != vocab_size:
@@ -348,13 +454,7 @@ def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
                       f'{vocab_size}: use a new workdir, or set the vocabulary size to match.')
     logging.info('Using existing tokenizer %s.', path)
     return tokenizer
-  src, tgt = read_split(config, config.data.train_split)
-  texts = src + tgt
-  sample_size = config.data.spm_sample_size
-  if len(texts) > sample_size:
-    rng = np.random.default_rng(config.seed)
-    keep = np.sort(rng.choice(len(texts), sample_size, replace=False))
-    texts = [texts[i] for i in keep]
+  texts = tokenizer_sample(config)
   os.makedirs(workdir, exist_ok=True)
   model = io.BytesIO()
   # Sentences from an iterator and the model into memory: no file paths end up in the
@@ -369,7 +469,7 @@ def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
   tmp = f'{path}.tmp{os.getpid()}'
   with open(tmp, 'wb') as f:
     f.write(model.getvalue())
-  os.replace(tmp, path)  # Atomic: a concurrent reader never sees half a file.
+  os.replace(tmp, path)  # Atomic: a waiting process never sees half a file.
   logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', vocab_size,
                len(texts), path)
   return load_tokenizer(path)
@@ -378,64 +478,286 @@ def load_or_train_tokenizer(config, workdir: str) -> Tokenizer:
 # ----------------------------------------------------------------------------- packing
 
 
+def _positions(lengths: np.ndarray) -> np.ndarray:
+  """[sum(lengths)] int64: 0, 1, ..., lengths[0] - 1, then 0, 1, ..., lengths[1] - 1, ... ."""
+  lengths = np.asarray(lengths, np.int64)
+  begins = np.cumsum(lengths) - lengths
+  return np.arange(int(lengths.sum())) - np.repeat(begins, lengths)
+
+
 def pack_rows(src_lens: np.ndarray, tgt_lens: np.ndarray, order: np.ndarray,
-              max_length: int) -> list[list[int]]:
+              max_length: int) -> tuple[np.ndarray, np.ndarray]:
   """Best-fit-decreasing packing of pairs into rows of max_length tokens per side.
 
-  Open rows are indexed by their remaining (source, target) room in a
-  [max_length + 1]^2 grid, so each placement costs O(max_length^2), not O(#rows).
+  Pairs go in decreasing source + target length (then decreasing source length, then their
+  place in `order`), each into the open row it leaves the least room in (source + target; ties:
+  least source room, then the row placed into last), or a new row if none fits. Pairs of equal
+  lengths are placed in bulk: a row the rule picks for one of them takes as many as fit, so the
+  cost is per run of rows of equal room, not per pair.
+
+  Open rows are indexed by their remaining (source, target) room in a [max_length + 1]^2 grid.
 
   Args:
-    src_lens, tgt_lens: [num_pairs] token counts (incl. EOS), each <= max_length.
-    order: pair indices to pack (their order breaks length ties).
+    src_lens, tgt_lens: [num_pairs] token counts (incl. EOS), each in [1, max_length].
+    order: [n] pair indices to pack.
   Returns:
-    Rows, each a list of pair indices in segment order.
+    pair_order [n] int64 (the pairs of `order`, row after row, each row's in segment order) and
+    row_offsets [rows + 1] int64: row r holds pair_order[row_offsets[r]:row_offsets[r + 1]].
   """
-  size = src_lens[order] + tgt_lens[order]
-  order = order[np.argsort(-size, kind='stable')]
+  order = np.asarray(order, np.int64)
+  a_of, b_of = np.asarray(src_lens)[order], np.asarray(tgt_lens)[order]
+  by_size = np.lexsort((-a_of, -(a_of + b_of)))  # Stable: ties keep their place in `order`.
+  pairs, a_of, b_of = order[by_size], a_of[by_size], b_of[by_size]
   room = np.arange(max_length + 1)
   slack = room[:, None] + room[None, :]  # Leftover room if a row with (rs, rt) is used.
   counts = np.zeros((max_length + 1, max_length + 1), np.int64)
-  buckets: dict[tuple[int, int], list[int]] = {}
-  rows: list[list[int]] = []
-  big = 4 * max_length + 1
-  for p in order.tolist():
-    a, b = int(src_lens[p]), int(tgt_lens[p])
-    cand = np.where(counts[a:, b:] > 0, slack[a:, b:], big)
-    k = int(cand.argmin())
-    if cand.flat[k] == big:
-      r, rs, rt = len(rows), max_length - a, max_length - b
-      rows.append([p])
-    else:
-      i, j = divmod(k, cand.shape[1])
-      counts[a + i, b + j] -= 1
-      r = buckets[(a + i, b + j)].pop()
-      rows[r].append(p)
-      rs, rt = i, j
-    counts[rs, rt] += 1
-    buckets.setdefault((rs, rt), []).append(r)
-  return rows
+  cells: dict[tuple[int, int], list[int]] = {}  # (rs, rt) -> open rows, last placed last.
+  row_of = np.empty(len(pairs), np.int64)  # Row of each pair of `pairs`.
+  num_rows, done, big = 0, 0, 4 * max_length + 1
+  starts = np.flatnonzero(np.diff(a_of, prepend=-1) | np.diff(b_of, prepend=-1))
+  for start, end in zip(starts.tolist(), starts[1:].tolist() + [len(pairs)], strict=True):
+    a, b, left = int(a_of[start]), int(b_of[start]), end - start
+    while left:
+      cand = np.where(counts[a:, b:] > 0, slack[a:, b:], big)
+      k = int(cand.argmin())
+      if cand.flat[k] == big:  # No open row fits: new rows.
+        rs = rt = max_length
+        per_row = min(rs // a, rt // b)
+        picked = list(range(num_rows, num_rows - (-left // per_row)))
+        num_rows += len(picked)
+      else:
+        i, j = divmod(k, cand.shape[1])
+        rs, rt = a + i, b + j
+        per_row = min(rs // a, rt // b)
+        rows = cells[(rs, rt)]
+        used = min(len(rows), -(-left // per_row))
+        picked = rows[len(rows) - used:][::-1]  # The row placed into last comes first.
+        del rows[len(rows) - used:]
+        counts[rs, rt] -= used
+      # Each picked row takes per_row pairs, the last one what is left if that is fewer.
+      last = min(per_row, left - per_row * (len(picked) - 1))
+      n = per_row * (len(picked) - 1) + last
+      row_of[done:done + n - last] = np.repeat(picked[:-1], per_row)
+      row_of[done + n - last:done + n] = picked[-1]
+      done, left = done + n, left - n
+      for rows, copies in ((picked[:-1], per_row), (picked[-1:], last)):
+        if rows:
+          cell = (rs - copies * a, rt - copies * b)
+          counts[cell] += len(rows)
+          cells.setdefault(cell, []).extend(rows)
+  by_row = np.argsort(row_of, kind='stable')
+  row_offsets = np.zeros(num_rows + 1, np.int64)
+  np.cumsum(np.bincount(row_of, minlength=num_rows), out=row_offsets[1:])
+  return pairs[by_row], row_offsets
 
 
-def build_packed_arrays(src_ids: Sequence[np.ndarray], tgt_ids: Sequence[np.ndarray],
-                        rows: Sequence[Sequence[int]], max_length: int,
-                        num_rows: int | None = None) -> dict[str, np.ndarray]:
-  """Materialises rows of pair indices as int32 arrays [num_rows, max_length].
+@dataclasses.dataclass(frozen=True)
+class TokenizedPairs:
+  """Pairs stored flat: pair i's source is source_tokens[source_offsets[i]:source_offsets[i + 1]].
 
-  Rows beyond len(rows) (up to num_rows) are all padding.
+  Fields: source_tokens [source tokens], target_tokens [target tokens] (uint16 or int32, each
+  pair's ids ending with EOS_ID); source_offsets, target_offsets [num_pairs + 1] int64.
   """
-  n = max(num_rows or 0, len(rows))
-  out = {k: np.zeros((n, max_length), np.int32) for k in FEATURE_KEYS}
-  for r, row in enumerate(rows):
-    for side, ids in (('inputs', src_ids), ('targets', tgt_ids)):
-      pos = 0
-      for seg, p in enumerate(row, 1):
-        x = ids[p]
-        out[side][r, pos:pos + len(x)] = x
-        out[side + '_segmentation'][r, pos:pos + len(x)] = seg
-        out[side + '_positions'][r, pos:pos + len(x)] = np.arange(len(x))
-        pos += len(x)
-  return out
+
+  source_tokens: np.ndarray
+  source_offsets: np.ndarray
+  target_tokens: np.ndarray
+  target_offsets: np.ndarray
+
+  @property
+  def num_pairs(self) -> int:
+    return len(self.source_offsets) - 1
+
+  @property
+  def source_lengths(self) -> np.ndarray:
+    return np.diff(self.source_offsets)
+
+  @property
+  def target_lengths(self) -> np.ndarray:
+    return np.diff(self.target_offsets)
+
+  def side(self, name: str) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, offsets) of 'inputs' (the source) or 'targets'."""
+    if name == 'inputs':
+      return self.source_tokens, self.source_offsets
+    return self.target_tokens, self.target_offsets
+
+
+def read_stream(builder: tfds.core.DatasetBuilder, config, tokenizer: Tokenizer, stream: int,
+                num_streams: int) -> tuple[TokenizedPairs, dict[str, int]]:
+  """Stream `stream` of `num_streams`: its even split of the train split, tokenized.
+
+  `builder`: the prepared builder of config.data.dataset_name (`prepared_builder`).
+
+  Reads READ_CHUNK_PAIRS pairs at a time; drops pairs with an empty side and pairs longer
+  than config.data.max_length tokens (EOS included). Returns the pairs and counts of what was
+  read and dropped ({'read', 'empty', 'long'}).
+  """
+  data = config.data
+  split = tfds.even_splits(data.train_split, num_streams)[stream]
+  parts = {'inputs': ([], []), 'targets': ([], [])}  # Side -> (token chunks, length chunks).
+  counts = {'read': 0, 'empty': 0, 'long': 0}
+  for src, tgt in _text_chunks(builder, config, split):
+    counts['read'] += len(src)
+    keep = [i for i, (s, t) in enumerate(zip(src, tgt, strict=True)) if s and t]
+    counts['empty'] += len(src) - len(keep)
+    encoded = {side: tokenizer.encode_flat([texts[i] for i in keep])
+               for side, texts in (('inputs', src), ('targets', tgt))}
+    fits = ((encoded['inputs'][1] <= data.max_length) &
+            (encoded['targets'][1] <= data.max_length))
+    counts['long'] += int((~fits).sum())
+    for side, (tokens, lengths) in encoded.items():
+      token_fits = np.repeat(fits, lengths)
+      parts[side][0].append(tokens[token_fits])
+      parts[side][1].append(lengths[fits])
+  flat = {}
+  for side, (token_chunks, length_chunks) in parts.items():
+    lengths = np.concatenate(length_chunks or [np.zeros(0, np.int64)])
+    offsets = np.zeros(len(lengths) + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    flat[side] = (np.concatenate(token_chunks or [np.zeros(0, tokenizer.token_dtype)]), offsets)
+  return TokenizedPairs(*flat['inputs'], *flat['targets']), counts
+
+
+def build_rows(pairs: TokenizedPairs, members: np.ndarray, pairs_per_row: np.ndarray,
+               num_rows: int, max_length: int) -> dict[str, np.ndarray]:
+  """Packed rows as the six int32 arrays [num_rows, max_length] (keys FEATURE_KEYS).
+
+  Each pair is one segment of its row (ids 1, 2, ... in row order; positions restart at 0 per
+  segment), its source in 'inputs', its target in 'targets'; then padding (all fields 0).
+
+  Args:
+    members: [m] pair indices, row after row, each row's in segment order.
+    pairs_per_row: [rows] how many of `members` each row holds, rows <= num_rows; the rows
+      after them are all padding.
+  """
+  pairs_per_row = np.asarray(pairs_per_row, np.int64)
+  first = np.cumsum(pairs_per_row) - pairs_per_row  # [rows] index of each row's first member.
+  row_of_member = np.repeat(np.arange(len(pairs_per_row)), pairs_per_row)
+  segment = _positions(pairs_per_row) + 1
+  out = {}
+  for side in ('inputs', 'targets'):
+    tokens, offsets = pairs.side(side)
+    lengths = offsets[members + 1] - offsets[members]
+    begins = np.cumsum(lengths) - lengths
+    column = begins - np.repeat(begins[first], pairs_per_row)  # [m] first column of each pair.
+    position = _positions(lengths)
+    rows = np.repeat(row_of_member, lengths)
+    cols = np.repeat(column, lengths) + position
+    for key, values in ((side, tokens[np.repeat(offsets[members], lengths) + position]),
+                        (side + '_segmentation', np.repeat(segment, lengths)),
+                        (side + '_positions', position)):
+      out[key] = np.zeros((num_rows, max_length), np.int32)
+      out[key][rows, cols] = values
+  return {k: out[k] for k in FEATURE_KEYS}
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochRows:
+  """One stream-epoch's packing: rows of pair indices, kept flat.
+
+  Fields: pair_order [pairs] int64, row after row; row_offsets [rows + 1] int64 (row r is
+  pair_order[row_offsets[r]:row_offsets[r + 1]]); num_batches: steps of rows_per_step rows
+  (the last topped up with padding rows); packing_efficiency: real tokens / token slots.
+  """
+
+  pair_order: np.ndarray
+  row_offsets: np.ndarray
+  num_batches: int
+  packing_efficiency: float
+
+
+class TrainStream:
+  """One stream: an endless, resumable sequence of packed rows over its own pairs.
+
+  Epoch e: a permutation of the stream's pairs seeded by (seed, stream, e), packed best-fit
+  (`pack_rows`) in windows of `window` pairs, each window's rows shuffled. Each step takes
+  `rows_per_step` rows; the epoch's last step is topped up with all-padding rows (never rows
+  of the next epoch), so every pair appears exactly once per stream-epoch and an epoch depends
+  on nothing but (seed, stream, epoch) and the pairs.
+  """
+
+  def __init__(self, pairs: TokenizedPairs, *, stream: int, seed: int, rows_per_step: int,
+               max_length: int, window: int, pool: concurrent.futures.Executor,
+               epoch: int = 0, batch_in_epoch: int = 0):
+    if not pairs.num_pairs:
+      raise DataError(f'Train stream {stream} has no pairs left after filtering: use fewer '
+                      'streams (config.data.num_streams) or a larger train split.')
+    self.pairs, self.stream = pairs, stream
+    self._seed, self._rows_per_step = seed, rows_per_step
+    self._max_length, self._window, self._pool = max_length, window, pool
+    self._real_tokens = len(pairs.source_tokens) + len(pairs.target_tokens)
+    self.epoch, self.batch_in_epoch = epoch, batch_in_epoch
+    self.rows = self.pack_epoch(epoch)
+    if not 0 <= batch_in_epoch <= self.rows.num_batches:
+      raise DataError(f'State position [{epoch}, {batch_in_epoch}] of train stream {stream} is '
+                      f'outside its epoch of {self.rows.num_batches} batches (different data or '
+                      'config?).')
+    self._next_rows: concurrent.futures.Future | None = None
+
+  def pack_epoch(self, epoch: int) -> EpochRows:
+    """Packs epoch `epoch` of this stream (cost: best-fit over every pair of the stream)."""
+    rng = np.random.default_rng([self._seed, self.stream, epoch])
+    perm = rng.permutation(self.pairs.num_pairs)
+    src_lens, tgt_lens = self.pairs.source_lengths, self.pairs.target_lengths
+    orders, sizes = [], []
+    for start in range(0, len(perm), self._window):
+      order, offsets = pack_rows(src_lens, tgt_lens, perm[start:start + self._window],
+                                 self._max_length)
+      shuffled = rng.permutation(len(offsets) - 1)
+      size = np.diff(offsets)[shuffled]
+      orders.append(order[np.repeat(offsets[shuffled], size) + _positions(size)])
+      sizes.append(size)
+    row_offsets = np.zeros(sum(len(s) for s in sizes) + 1, np.int64)
+    np.cumsum(np.concatenate(sizes), out=row_offsets[1:])
+    num_batches = -(-(len(row_offsets) - 1) // self._rows_per_step)
+    efficiency = self._real_tokens / (2 * num_batches * self._rows_per_step * self._max_length)
+    logging.debug('Stream %d epoch %d: %d pairs in %d rows (%d batches), packing efficiency '
+                  '%.1f%%.', self.stream, epoch, len(perm), len(row_offsets) - 1, num_batches,
+                  100 * efficiency)
+    return EpochRows(np.concatenate(orders), row_offsets, num_batches, efficiency)
+
+  @property
+  def position(self) -> tuple[int, int]:
+    """(epoch, batch_in_epoch) of the next batch."""
+    if self.batch_in_epoch >= self.rows.num_batches:
+      return self.epoch + 1, 0
+    return self.epoch, self.batch_in_epoch
+
+  def next_rows(self) -> dict[str, np.ndarray]:
+    """The next step's rows: the six fields, int32 [rows_per_step, max_length]."""
+    if self._next_rows is None:  # Packs the next epoch while this one is read.
+      self._next_rows = self._pool.submit(self.pack_epoch, self.epoch + 1)
+    if self.batch_in_epoch >= self.rows.num_batches:
+      self.rows = self._next_rows.result()
+      self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+      self._next_rows = self._pool.submit(self.pack_epoch, self.epoch + 1)
+    offsets = self.rows.row_offsets
+    first = self.batch_in_epoch * self._rows_per_step
+    last = min(first + self._rows_per_step, len(offsets) - 1)
+    self.batch_in_epoch += 1
+    return build_rows(self.pairs, self.rows.pair_order[offsets[first]:offsets[last]],
+                      np.diff(offsets[first:last + 1]), self._rows_per_step, self._max_length)
+
+  def close(self) -> None:
+    if self._next_rows is not None:
+      self._next_rows.cancel()
+
+
+def check_streams(config, process_count: int) -> int:
+  """Rows each stream gives per step; DataError if the streams do not fit the batch or hosts."""
+  data = config.data
+  num_streams, batch_size = data.num_streams, data.batch_size
+  if num_streams < 1 or batch_size % num_streams:
+    raise DataError(f'data.batch_size={batch_size} rows do not divide over data.num_streams='
+                    f'{num_streams} streams; set data.num_streams to a divisor of {batch_size}.')
+  if num_streams % process_count:
+    raise DataError(f'data.num_streams={num_streams} streams do not divide over {process_count} '
+                    f'processes; set data.num_streams to a multiple of {process_count}.')
+  return batch_size // num_streams
 
 
 def rows_per_host(batch_size: int, process_count: int) -> int:
@@ -446,103 +768,131 @@ def rows_per_host(batch_size: int, process_count: int) -> int:
   return batch_size // process_count
 
 
-class TrainIterator:
-  """Endless, resumable stream of packed batches for one process.
+def start_positions(state: dict | None, num_streams: int) -> list[list[int]]:
+  """[epoch, batch_in_epoch] for every stream from a saved state (None: all at [0, 0]).
 
-  Each epoch: a permutation of all pairs seeded by (seed, epoch), packed (best fit) in
-  windows of `window` pairs, rows shuffled; the last global batch is topped up with
-  all-padding rows so every pair appears exactly once per epoch. Every process packs
-  the same global rows and takes its own contiguous slice of each global batch.
-  Resuming packs the state's epoch again; no batches are replayed.
+  A state of this design with this num_streams maps exactly (positions of streams another
+  process owned may be [-1, -1]). A state of the single-stream format ({'epoch',
+  'batch_in_epoch'}) or of another num_streams cannot: every stream then starts a fresh epoch,
+  after the newest one the state names, with a warning.
+  """
+  if not state:
+    return [[0, 0] for _ in range(num_streams)]
+  if 'positions' in state and state.get('num_streams') == num_streams:
+    positions = [[int(e), int(b)] for e, b in state['positions']]
+    if len(positions) != num_streams:
+      raise DataError(f'Data state has {len(positions)} stream positions for num_streams='
+                      f'{num_streams}.')
+    return positions
+  if 'positions' in state:
+    epochs = [int(e) + (int(b) > 0) for e, b in state['positions']]
+    why = f"was written with data.num_streams={state.get('num_streams')}, not {num_streams}"
+  elif 'epoch' in state:
+    epochs = [int(state['epoch']) + (int(state.get('batch_in_epoch', 0)) > 0)]
+    why = 'is of the single-stream format (one epoch and batch for all data)'
+  else:
+    raise DataError(f'Unrecognised data state {state!r}: expected num_streams and positions.')
+  epoch = max(epochs)
+  logging.warning('The checkpoint\'s data state %s: it cannot be mapped exactly onto these '
+                  'streams, so every stream starts a fresh epoch (%d); the data order from here '
+                  'differs from an uninterrupted run.', why, epoch)
+  return [[epoch, 0] for _ in range(num_streams)]
+
+
+class TrainIterator:
+  """Endless, resumable stream of packed batches for one process: its streams' rows.
+
+  Process p of P runs streams [p * S / P, (p + 1) * S / P) of S = num_streams; a step's
+  batch is their rows in stream order, the contiguous slice p of the global batch.
   """
 
-  def __init__(self, src_ids: Sequence[np.ndarray], tgt_ids: Sequence[np.ndarray], *,
-               batch_size: int, max_length: int, seed: int, window: int,
-               process_index: int = 0, process_count: int = 1, epoch: int = 0,
-               batch_in_epoch: int = 0):
-    self._local = rows_per_host(batch_size, process_count)
-    if not 0 <= process_index < process_count:
-      raise DataError(f'process_index {process_index} not in [0, {process_count}).')
-    if not src_ids:
-      raise DataError('No training pairs left after filtering.')
-    self._src, self._tgt = src_ids, tgt_ids
-    self._src_lens = np.array([len(x) for x in src_ids], np.int64)
-    self._tgt_lens = np.array([len(x) for x in tgt_ids], np.int64)
-    self._batch_size, self._max_length = batch_size, max_length
-    self._seed, self._window = seed, window
-    self._offset = process_index * self._local
-    self._pool = concurrent.futures.ThreadPoolExecutor(1)  # Packs the next epoch meanwhile.
-    self._epoch, self._batch = epoch, batch_in_epoch
-    self._arrays, self.packing_efficiency = self._pack_epoch(epoch)
-    if not 0 <= batch_in_epoch <= self.num_batches:
-      raise DataError(f'State batch_in_epoch={batch_in_epoch} outside epoch of '
-                      f'{self.num_batches} batches (different data or config?).')
-    self._next = self._pool.submit(self._pack_epoch, epoch + 1)
+  def __init__(self, streams: Sequence[TrainStream], *, num_streams: int,
+               pool: concurrent.futures.ThreadPoolExecutor):
+    self.streams, self.num_streams, self._pool = list(streams), num_streams, pool
 
   @property
-  def num_batches(self) -> int:
-    """Batches per epoch (the same on every process)."""
-    return len(self._arrays['inputs']) // self._batch_size
+  def epoch_batches(self) -> list[int]:
+    """Batches of each of this process's streams in the epoch it is in."""
+    return [s.rows.num_batches for s in self.streams]
 
-  def _pack_epoch(self, epoch: int) -> tuple[dict[str, np.ndarray], float]:
-    rng = np.random.default_rng([self._seed, epoch])
-    perm = rng.permutation(len(self._src))
-    rows = []
-    for start in range(0, len(perm), self._window):
-      window_rows = pack_rows(self._src_lens, self._tgt_lens, perm[start:start + self._window],
-                              self._max_length)
-      rows.extend(window_rows[i] for i in rng.permutation(len(window_rows)))
-    num_rows = -(-len(rows) // self._batch_size) * self._batch_size
-    arrays = build_packed_arrays(self._src, self._tgt, rows, self._max_length, num_rows)
-    real = int(self._src_lens.sum() + self._tgt_lens.sum())
-    efficiency = real / (2 * num_rows * self._max_length)
-    logging.info('Epoch %d: %d pairs in %d rows (%d batches), packing efficiency %.1f%%.',
-                 epoch, len(perm), num_rows, num_rows // self._batch_size, 100 * efficiency)
-    return arrays, efficiency
+  @property
+  def packing_efficiency(self) -> float:
+    """Real tokens / token slots over this process's streams' current epochs."""
+    real = sum(s.rows.packing_efficiency * s.rows.num_batches for s in self.streams)
+    return real / sum(self.epoch_batches)
 
   def __iter__(self) -> TrainIterator:
     return self
 
   def __next__(self) -> dict[str, np.ndarray]:
     """Dict of the 6 fields, int32 [batch_size // process_count, max_length]."""
-    if self._batch >= self.num_batches:
-      self._arrays, self.packing_efficiency = self._next.result()
-      self._epoch, self._batch = self._epoch + 1, 0
-      self._next = self._pool.submit(self._pack_epoch, self._epoch + 1)
-    start = self._batch * self._batch_size + self._offset
-    self._batch += 1
-    return {k: v[start:start + self._local].copy() for k, v in self._arrays.items()}
+    parts = [s.next_rows() for s in self.streams]
+    return {k: np.concatenate([p[k] for p in parts]) for k in FEATURE_KEYS}
 
-  def get_state(self) -> dict[str, int]:
-    """JSON-able position after the last returned batch."""
-    if self._batch >= self.num_batches:
-      return {'epoch': self._epoch + 1, 'batch_in_epoch': 0}
-    return {'epoch': self._epoch, 'batch_in_epoch': self._batch}
+  def get_state(self) -> dict[str, Any]:
+    """JSON-able position after the last returned batch.
+
+    {'num_streams': S, 'positions': [[epoch, batch_in_epoch] for each of the S streams]}, with
+    [-1, -1] for the streams other processes run: the elementwise max over every process's
+    state is the whole run's state, which `make_train_iterator(state=...)` takes on any number
+    of processes. With one process it is whole already.
+    """
+    positions = [[-1, -1] for _ in range(self.num_streams)]
+    for s in self.streams:
+      positions[s.stream] = list(s.position)
+    return {'num_streams': self.num_streams, 'positions': positions}
 
   def close(self) -> None:
+    for s in self.streams:
+      s.close()
     self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
                         process_count: int = 1, state: dict | None = None) -> TrainIterator:
-  """Tokenizes the train split once, drops pairs longer than max_length, packs batches.
+  """Reads, tokenizes and packs this process's streams of the train split.
 
-  `config.data.shuffle_buffer` is the packing window in pairs (pairs are permuted globally
-  first, so the shuffle itself is uniform whatever the window).
+  Process p of P reads only the S / P even splits of its streams (S = config.data.num_streams),
+  drops pairs longer than max_length, and packs each stream's current epoch: the iterator's
+  first batch costs reading, tokenizing and packing one epoch of 1 / P of the data, and so does
+  resuming from `state` (a merged state, see `TrainIterator.get_state`; positions beyond an
+  epoch are a DataError). `config.data.shuffle_buffer` is the packing window in pairs (pairs
+  are permuted over the whole stream first, so the shuffle itself is uniform whatever the
+  window).
   """
   data = config.data
-  src, tgt = read_split(config, data.train_split)
-  src_ids, tgt_ids = tokenizer.encode(src), tokenizer.encode(tgt)
-  keep = [i for i in range(len(src_ids))
-          if len(src_ids[i]) <= data.max_length and len(tgt_ids[i]) <= data.max_length]
+  if not 0 <= process_index < process_count:
+    raise DataError(f'process_index {process_index} not in [0, {process_count}).')
+  rows_per_step = check_streams(config, process_count)
+  num_streams = data.num_streams
+  positions = start_positions(state, num_streams)
+  per_process = num_streams // process_count
+  own = range(process_index * per_process, (process_index + 1) * per_process)
+  missing = [s for s in own if min(positions[s]) < 0]
+  if missing:
+    raise DataError(f'Data state has no position for streams {missing}: it is one process\'s '
+                    'part; merge every process\'s get_state() by elementwise max.')
+  builder = prepared_builder(config, process_index=process_index, process_count=process_count)
+  _check_split(builder, config, data.train_split)
+  pool = concurrent.futures.ThreadPoolExecutor(1)
+  streams, totals = [], {'read': 0, 'empty': 0, 'long': 0}
+  for s in own:
+    pairs, counts = read_stream(builder, config, tokenizer, s, num_streams)
+    totals = {k: totals[k] + counts[k] for k in totals}
+    epoch, batch = positions[s]
+    streams.append(TrainStream(pairs, stream=s, seed=config.seed, rows_per_step=rows_per_step,
+                               max_length=data.max_length, window=data.shuffle_buffer,
+                               pool=pool, epoch=epoch, batch_in_epoch=batch))
+  if totals['empty']:
+    logging.warning('%s/%s: skipped %d pairs with an empty side.', data.dataset_name,
+                    data.train_split, totals['empty'])
   logging.info('Dropped %d of %d training pairs longer than max_length=%d tokens (incl. EOS).',
-               len(src_ids) - len(keep), len(src_ids), data.max_length)
-  state = state or {}
-  return TrainIterator(
-      [src_ids[i] for i in keep], [tgt_ids[i] for i in keep], batch_size=data.batch_size,
-      max_length=data.max_length, seed=config.seed, window=data.shuffle_buffer,
-      process_index=process_index, process_count=process_count,
-      epoch=int(state.get('epoch', 0)), batch_in_epoch=int(state.get('batch_in_epoch', 0)))
+               totals['long'], totals['read'] - totals['empty'], data.max_length)
+  it = TrainIterator(streams, num_streams=num_streams, pool=pool)
+  logging.info('Train streams %d-%d of %d: %d pairs, %d rows per step, packing efficiency '
+               '%.1f%%.', own[0], own[-1], num_streams, sum(s.pairs.num_pairs for s in streams),
+               rows_per_step * len(streams), 100 * it.packing_efficiency)
+  return it
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -45,7 +45,8 @@ def main(argv=None) -> dict:
   it = ip.make_train_iterator(config, tokenizer)
   t_setup = time.perf_counter() - t0
   t0 = time.perf_counter()
-  it._pack_epoch(1)  # Cost of one epoch's packing (normally hidden in a thread).
+  for stream in it.streams:  # Cost of one epoch's packing (normally hidden in a thread).
+    stream.pack_epoch(1)
   t_pack = time.perf_counter() - t0
 
   for _ in range(args.warmup):
@@ -64,7 +65,7 @@ def main(argv=None) -> dict:
       'batch_size': config.data.batch_size, 'max_length': config.data.max_length,
       'vocab_size': tokenizer.vocab_size, 'batches': args.batches,
       'tokenizer_seconds': round(t_tok, 3), 'setup_seconds': round(t_setup, 3),
-      'pack_epoch_seconds': round(t_pack, 3), 'batches_per_epoch': it.num_batches,
+      'pack_epoch_seconds': round(t_pack, 3), 'batches_per_epoch': min(it.epoch_batches),
       'batches_per_second': round(args.batches / elapsed, 1),
       'target_tokens_per_second': round(tgt_tokens / elapsed),
       'real_tokens_per_second': round((tgt_tokens + src_tokens) / elapsed),

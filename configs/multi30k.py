@@ -39,6 +39,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   # side. optimizer.grad_accum_steps splits them into micro-batches.
   config.data.batch_size = 32
   config.data.shuffle_buffer = 65_536  # Packing window, in pairs.
+  config.data.num_streams = 4  # Parts of the train split; each host runs num_streams / hosts.
 
   # model.TransformerConfig(**config.model): every field of the model.
   config.model = ml_collections.ConfigDict()

@@ -73,7 +73,7 @@ def test_input_pipeline_benchmark_runs(tmp_path):
   assert (results['batch_size'], results['max_length'], results['vocab_size']) == (32, 64, 8000)
   assert results['batches_per_second'] > 0 and results['target_tokens_per_second'] > 0
   assert 0.9 <= results['packing_efficiency'] <= 1
-  assert results['final_state'] == {'epoch': 0, 'batch_in_epoch': 6}
+  assert results['final_state'] == {'num_streams': 4, 'positions': [[0, 6]] * 4}
 
 
 def _write_metrics(path, lines):

@@ -9,6 +9,8 @@ import io
 import json
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -74,15 +76,30 @@ def _unpack(batch):
       yield segs[s]['inputs'], segs[s]['targets']
 
 
-def _epoch_pairs(it, n):
-  return [p for _ in range(n) for p in _unpack(next(it))]
-
-
 def _expected_pairs(config, tokenizer, src, tgt):
   s, t = tokenizer.encode(src), tokenizer.encode(tgt)
   return collections.Counter(
       (tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(s, t, strict=True)
       if len(a) <= config.data.max_length and len(b) <= config.data.max_length)
+
+
+def _stream_config(config, **data):
+  config = config.copy_and_resolve_references()
+  config.data.update(data)
+  return config
+
+
+def _global_batches(config, tokenizer, process_count, steps, state=None):
+  """`steps` global batches: every process's slice, concatenated in process order."""
+  its = [ip.make_train_iterator(config, tokenizer, process_index=p, process_count=process_count,
+                                state=state) for p in range(process_count)]
+  batches = [{k: np.concatenate([b[k] for b in parts]) for k in ip.FEATURE_KEYS}
+             for parts in zip(*[[next(it) for _ in range(steps)] for it in its], strict=True)]
+  return batches, its
+
+
+def _same(a, b):
+  return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in ip.FEATURE_KEYS)
 
 
 @needs_multi30k
@@ -122,7 +139,7 @@ def test_tokenizer_deterministic_and_reused(small, tmp_path, monkeypatch):
   ip.load_or_train_tokenizer(config2, str(tmp_path / 'c'))
   assert (tmp_path / 'c' / 'tokenizer.model').read_bytes() != bytes_a
   # An existing model of the configured size is reused: neither data nor trainer is touched.
-  monkeypatch.setattr(ip, 'read_split', _no_training)
+  monkeypatch.setattr(ip, 'prepared_builder', _no_training)
   monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
   reused = ip.load_or_train_tokenizer(config2, str(tmp_path / 'a'))
   assert reused.vocab_size == a.vocab_size == config.model.vocab_size
@@ -134,7 +151,7 @@ def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch
   config, tokenizer, _ = small
   path = tmp_path / 'tokenizer.model'
   path.write_bytes(tokenizer._sp.serialized_model_proto())
-  monkeypatch.setattr(ip, 'read_split', _no_training)
+  monkeypatch.setattr(ip, 'prepared_builder', _no_training)
   monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
   assert ip.load_or_train_tokenizer(config, str(tmp_path)).vocab_size == 1000
   other = config.copy_and_resolve_references()
@@ -145,36 +162,179 @@ def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch
 
 
 @needs_multi30k
-def test_one_epoch_packs_every_pair_exactly_once(small):
+def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkeypatch, caplog):
+  config, tokenizer, _ = small
+  monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
+  monkeypatch.setattr(ip, 'WAIT_LOG_SECONDS', 0.1)
+  monkeypatch.setattr(ip, 'tokenizer_sample', _no_training)
+  monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
+  path = tmp_path / 'tokenizer.model'
+  # Process 0 writes the model 0.5 s later (atomically, as load_or_train_tokenizer does).
+  writer = threading.Timer(0.5, lambda: (
+      (tmp_path / 'partial').write_bytes(tokenizer._sp.serialized_model_proto()),
+      os.replace(tmp_path / 'partial', path)))
+  writer.start()
+  with caplog.at_level('INFO'):
+    waited = ip.load_or_train_tokenizer(config, str(tmp_path), process_index=1, process_count=2)
+  writer.join()
+  assert waited.vocab_size == 1000 and 'Process 1 waits for' in caplog.text
+  monkeypatch.setattr(ip, 'WAIT_TIMEOUT_SECONDS', 0.2)
+  with pytest.raises(ip.DataError, match=r'Process 1 waited .* for .*nowhere.tokenizer\.model'):
+    ip.load_or_train_tokenizer(config, str(tmp_path / 'nowhere'), process_index=1,
+                               process_count=2)
+
+
+@needs_multi30k
+def test_only_process_0_prepares_tfds_data_others_wait(small, tmp_path, monkeypatch):
+  config, _, _ = small
+  config = _stream_config(config, data_dir=str(tmp_path / 'tfds'))
+  monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
+  preparers = []
+  prepare = ip.ParallelTextFolder.download_and_prepare
+  def recorded_prepare(builder, *args, **kwargs):
+    preparers.append(threading.current_thread().name)
+    time.sleep(0.5)  # Process 1 asks meanwhile.
+    return prepare(builder, *args, **kwargs)
+  monkeypatch.setattr(ip.ParallelTextFolder, 'download_and_prepare', recorded_prepare)
+  process_0 = threading.Thread(target=ip.prepared_builder, args=(config,), name='process 0')
+  process_0.start()
+  time.sleep(0.1)
+  src, _ = ip.read_split(config, 'val', process_index=1, process_count=2)
+  process_0.join()
+  assert preparers == ['process 0'] and len(src) == 100
+
+
+def _reference_best_fit(src_lens, tgt_lens, order, max_length):
+  """Best-fit decreasing one pair at a time over a plain list of open rows."""
+  order = sorted(order, key=lambda p: (-(src_lens[p] + tgt_lens[p]), -src_lens[p]))
+  rows, room, placed_at = [], [], []
+  for step, p in enumerate(order):
+    a, b = int(src_lens[p]), int(tgt_lens[p])
+    fits = [r for r, (rs, rt) in enumerate(room) if rs >= a and rt >= b]
+    if not fits:
+      rows.append([p])
+      room.append((max_length - a, max_length - b))
+      placed_at.append(step)
+      continue
+    r = min(fits, key=lambda r: (sum(room[r]), room[r][0], -placed_at[r]))
+    rows[r].append(p)
+    room[r] = (room[r][0] - a, room[r][1] - b)
+    placed_at[r] = step
+  return rows
+
+
+def test_pack_rows_equals_pair_by_pair_best_fit():
+  for trial in range(20):
+    rng = np.random.default_rng(trial)
+    max_length = int(rng.choice([6, 16, 32]))
+    src = rng.integers(1, max_length + 1, 500)
+    tgt = np.clip(src + rng.integers(-3, 4, 500), 1, max_length)
+    if trial % 3 == 0:  # Few distinct lengths: long runs of equal pairs placed in bulk.
+      src, tgt = rng.integers(1, 4, 500), rng.integers(1, 4, 500)
+    order = rng.permutation(500)[:rng.integers(1, 400)]
+    pair_order, row_offsets = ip.pack_rows(src, tgt, order, max_length)
+    rows = [pair_order[row_offsets[r]:row_offsets[r + 1]].tolist()
+            for r in range(len(row_offsets) - 1)]
+    assert rows == _reference_best_fit(src, tgt, order, max_length)
+
+
+def _stream_pairs(batches, stream, rows_per_step, count):
+  """Pairs of a stream's rows in the first `count` global batches."""
+  rows = slice(stream * rows_per_step, (stream + 1) * rows_per_step)
+  return collections.Counter(p for b in batches[:count]
+                             for p in _unpack({k: v[rows] for k, v in b.items()}))
+
+
+@needs_multi30k
+def test_every_pair_once_per_stream_epoch(small):
+  """4 streams of 2 rows per step; stream s holds pairs [500 s, 500 (s + 1)) of the 2,000."""
   config, tokenizer, (src, tgt) = small
   it = ip.make_train_iterator(config, tokenizer)
-  expected = _expected_pairs(config, tokenizer, src, tgt)
-  assert sum(expected.values()) < len(src), 'max_length=32 should drop some pairs'
-  got = collections.Counter(_epoch_pairs(it, it.num_batches))
-  assert got == expected
-  assert it.get_state() == {'epoch': 1, 'batch_in_epoch': 0}
-  assert 0.7 < it.packing_efficiency <= 1  # Short rows (32) fit ~2 pairs; see 64 below.
-  batch = next(it)
-  assert set(batch) == set(ip.FEATURE_KEYS)
-  assert all(v.shape == (8, 32) and v.dtype == np.int32 for v in batch.values())
+  epoch_batches = it.epoch_batches
+  assert len(epoch_batches) == 4 and 0.7 < it.packing_efficiency <= 1
+  batches = [next(it) for _ in range(max(epoch_batches))]
+  expected = [_expected_pairs(config, tokenizer, src[i:i + 500], tgt[i:i + 500])
+              for i in range(0, 2000, 500)]
+  assert sum(sum(c.values()) for c in expected) < 2000, 'max_length=32 should drop some pairs'
+  for s in range(4):
+    assert _stream_pairs(batches, s, 2, epoch_batches[s]) == expected[s]
+  assert it.get_state() == {'num_streams': 4, 'positions': [
+      [1, max(epoch_batches) - n] for n in epoch_batches]}
+  assert all(v.shape == (8, 32) and v.dtype == np.int32 for v in batches[0].values())
+  assert set(batches[0]) == set(ip.FEATURE_KEYS)
   it.close()
 
 
 @needs_multi30k
-def test_process_shards_disjoint_and_complete(small):
-  config, tokenizer, (src, tgt) = small
-  shards = [ip.make_train_iterator(config, tokenizer, process_index=p, process_count=2)
-            for p in range(2)]
-  assert shards[0].num_batches == shards[1].num_batches
-  pairs = []
-  for it in shards:
-    b = next(it)
-    assert b['inputs'].shape == (4, 32)
-    pairs.append(collections.Counter(_epoch_pairs(it, it.num_batches - 1) + list(_unpack(b))))
-  assert not set(pairs[0]) & set(pairs[1])
-  assert pairs[0] + pairs[1] == _expected_pairs(config, tokenizer, src, tgt)
-  with pytest.raises(ip.DataError, match='batch_size=8 rows do not divide over 3 hosts'):
-    ip.make_train_iterator(config, tokenizer, process_count=3)
+def test_global_batches_do_not_depend_on_process_count(small):
+  """1, 2 and 4 processes give the same global batches, across a stream's epoch boundary; the
+  processes' states merged by elementwise max are the 1-process state and resume anywhere."""
+  config, tokenizer, _ = small
+  it = ip.make_train_iterator(config, tokenizer)
+  steps = min(it.epoch_batches) + 2
+  one = [next(it) for _ in range(steps)]
+  for process_count in (2, 4):
+    batches, its = _global_batches(config, tokenizer, process_count, steps)
+    assert _same(batches, one), process_count
+    merged = np.max([i.get_state()['positions'] for i in its], axis=0).tolist()
+    assert {'num_streams': 4, 'positions': merged} == it.get_state()
+    assert next(its[-1])['inputs'].shape == (8 // process_count, 32)
+    for i in its:
+      i.close()
+  state = {'num_streams': 4, 'positions': merged}
+  resumed, its = _global_batches(config, tokenizer, 4, 3, state=state)
+  assert _same(resumed, [next(it) for _ in range(3)])
+  for i in its + [it]:
+    i.close()
+
+
+@needs_multi30k
+@pytest.mark.parametrize('where', ['random', 'epoch_end'])
+def test_resume_equals_uninterrupted_stream(small, where):
+  config, tokenizer, _ = small
+  it = ip.make_train_iterator(config, tokenizer)
+  k = min(it.epoch_batches) if where == 'epoch_end' else int(np.random.default_rng().integers(
+      1, min(it.epoch_batches)))
+  for _ in range(k):
+    next(it)
+  state = json.loads(json.dumps(it.get_state()))
+  if where == 'epoch_end':
+    assert [1, 0] in state['positions']
+  resumed = ip.make_train_iterator(config, tokenizer, state=state)
+  assert _same([next(it) for _ in range(5)], [next(resumed) for _ in range(5)]), k
+  assert it.get_state() == resumed.get_state()
+  with pytest.raises(ip.DataError, match=r'stream 1 is outside its epoch'):
+    ip.make_train_iterator(config, tokenizer, state={
+        'num_streams': 4, 'positions': [[0, 0], [0, 10**6], [0, 0], [0, 0]]})
+  with pytest.raises(ip.DataError, match=r'no position for streams \[2, 3\].*elementwise max'):
+    ip.make_train_iterator(config, tokenizer, state={
+        'num_streams': 4, 'positions': [[0, 5], [0, 5], [-1, -1], [-1, -1]]})
+
+
+@needs_multi30k
+def test_unmappable_state_warns_and_starts_fresh_epochs(small, caplog):
+  config, tokenizer, _ = small
+  for state, epoch in (({'epoch': 2, 'batch_in_epoch': 7}, 3),  # Written by earlier code.
+                       ({'num_streams': 2, 'positions': [[0, 4], [1, 0]]}, 1)):
+    caplog.clear()
+    with caplog.at_level('WARNING'):
+      it = ip.make_train_iterator(config, tokenizer, state=state)
+    assert 'cannot be mapped exactly' in caplog.text
+    assert it.get_state() == {'num_streams': 4, 'positions': [[epoch, 0]] * 4}
+    assert next(it)['inputs'].shape == (8, 32)
+    it.close()
+
+
+@needs_multi30k
+def test_streams_must_divide_batch_and_processes(small):
+  config, tokenizer, _ = small
+  with pytest.raises(ip.DataError, match=r'batch_size=8 .*set data.num_streams to a divisor of 8'):
+    ip.make_train_iterator(_stream_config(config, num_streams=3), tokenizer)
+  with pytest.raises(ip.DataError, match=r'num_streams=4 .* 8 processes; set data.num_streams '
+                     'to a multiple of 8'):
+    ip.make_train_iterator(config, tokenizer, process_index=0, process_count=8)
+  with pytest.raises(ip.DataError, match='process_index 2 not in'):
+    ip.make_train_iterator(config, tokenizer, process_index=2, process_count=2)
 
 
 def test_rows_per_host():
@@ -189,35 +349,17 @@ def test_deterministic_under_seed(small):
   config, tokenizer, _ = small
   def first(cfg, n=4):
     it = ip.make_train_iterator(cfg, tokenizer)
-    return [next(it)['targets'] for _ in range(n)], it
+    return [next(it) for _ in range(n)], it
   a, it = first(config)
   b, _ = first(config)
-  assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+  assert _same(a, b)
   other = config.copy_and_resolve_references()
   other.seed = config.seed + 1
   c, _ = first(other)
-  assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
-  for _ in range(it.num_batches - 4):  # Next epoch is shuffled differently.
+  assert not _same(a, c)
+  for _ in range(max(it.epoch_batches) - 4):  # Every stream's next epoch is shuffled anew.
     next(it)
-  assert not np.array_equal(next(it)['targets'], a[0])
-
-
-@needs_multi30k
-@pytest.mark.parametrize('k', [3, 'epoch_end'])
-def test_resume_continues_at_next_batch(small, k):
-  config, tokenizer, _ = small
-  it = ip.make_train_iterator(config, tokenizer)
-  k = it.num_batches - 1 if k == 'epoch_end' else k
-  for _ in range(k):
-    next(it)
-  state = json.loads(json.dumps(it.get_state()))
-  resumed = ip.make_train_iterator(config, tokenizer, state=state)
-  for _ in range(3):  # Crosses the epoch boundary for 'epoch_end'.
-    x, y = next(it), next(resumed)
-    assert all(np.array_equal(x[f], y[f]) for f in ip.FEATURE_KEYS)
-  assert it.get_state() == resumed.get_state()
-  with pytest.raises(ValueError, match='batch_in_epoch'):
-    ip.make_train_iterator(config, tokenizer, state={'epoch': 0, 'batch_in_epoch': 10**6})
+  assert not np.array_equal(next(it)['targets'], a[0]['targets'])
 
 
 @needs_multi30k
