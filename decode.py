@@ -38,7 +38,8 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   """Translates --input or --split, writes the translations, returns the scores (if any)."""
   config, tokenizer, model = translation.load_run(workdir)
   if split:
-    sources, references = input_pipeline.read_split(config, split)
+    sources, references = input_pipeline.read_split(
+        config, split, process_index=jax.process_index(), process_count=jax.process_count())
   else:
     sources = input_pipeline.read_lines(input_path)
     references = input_pipeline.read_lines(reference) if reference else None

@@ -102,7 +102,7 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     raise ConfigError(f'data.batch_size / grad_accum_steps = {micro_batch} rows do not divide '
                       f'over {num_devices} devices; use a multiple of {num_devices}.')
   try:
-    input_pipeline.rows_per_host(data.batch_size, jax.process_count())
+    input_pipeline.check_streams(config, jax.process_count())
   except input_pipeline.DataError as error:
     raise ConfigError(str(error)) from None
   if data.max_length > config.model.max_len:
@@ -455,6 +455,16 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   return state, shardings, meta['data_state']
 
 
+def whole_data_state(train_iter: input_pipeline.TrainIterator) -> dict[str, Any]:
+  """The data position of every stream: each process knows its own streams' (the others are
+  -1), so with several processes the maximum over processes is the whole state."""
+  state = train_iter.get_state()
+  if jax.process_count() > 1:
+    positions = multihost_utils.process_allgather(np.asarray(state['positions'], np.int64))
+    state = dict(state, positions=np.max(positions, axis=0).tolist())
+  return state
+
+
 def copy_tokenizer(source_run: str, workdir: str) -> None:
   """Gives `workdir` the tokenizer of the run its parameters come from (their vocabulary)."""
   source = os.path.join(source_run, 'tokenizer.model')
@@ -559,17 +569,18 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   logging.info('Config written to %s (--verbosity=1 also logs it).',
                os.path.join(workdir, 'config.json'))
   logging.debug('Config:\n%s', config)
-  tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir)
+  processes = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
+  tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir, **processes)
   manager = checkpoints.make_manager(workdir, max_to_keep=config.keep_checkpoints)
   num_params = count_params(state['params'])
   logging.info('Model: %s parameters; %s', f'{num_params:,}', model.config)
   logging.info('Mesh: %s over %d devices on %d hosts.', dict(mesh.shape), mesh.devices.size,
                jax.process_count())
   start_step = int(state['step'])
-  train_iter = input_pipeline.make_train_iterator(
-      config, tokenizer, process_index=jax.process_index(), process_count=jax.process_count(),
-      state=data_state)
-  val_sources, val_targets = input_pipeline.read_split(config, config.data.eval_split)
+  train_iter = input_pipeline.make_train_iterator(config, tokenizer, state=data_state,
+                                                  **processes)
+  val_sources, val_targets = input_pipeline.read_split(config, config.data.eval_split,
+                                                       **processes)
   eval_batches = [arrays for _, arrays in input_pipeline.length_batches(
       {'inputs': tokenizer.encode(val_sources), 'targets': tokenizer.encode(val_targets)},
       config.decode.batch_tokens, config.model.max_len, row_multiple=mesh.devices.size,
@@ -585,7 +596,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
     writer.write(0, {'num_params': num_params})
 
   def save(step):
-    meta = {'step': step, 'data_state': train_iter.get_state(),
+    meta = {'step': step, 'data_state': whole_data_state(train_iter),
             'nonfinite_total': int(state['nonfinite_total']),
             'nonfinite_in_a_row': int(state['nonfinite_in_a_row'])}
     checkpoints.save(manager, step, state['params'],
