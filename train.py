@@ -544,8 +544,8 @@ class StopRequests:
     if not self.coordinated:
       return bool(self.signals)
     if multihost_utils.reached_preemption_sync_point(step):
-      logging.warning('A process received SIGTERM: every process saves step %d and stops.',
-                      step)
+      logging.warning('A process received SIGTERM or SIGINT: every process saves step %d and '
+                      'stops.', step)
       self.signals.append(signal.SIGTERM)
       return True
     return False

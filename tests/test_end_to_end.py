@@ -1,8 +1,9 @@
 """End to end on real Multi30k text: train, average checkpoints, translate, score with sacreBLEU.
 
-The fast variant (CI) trains a small model for about two minutes of CPU; the slow one runs
-the README's default recipe. Each asserts a BLEU floor that an untrained or broken model
-(wrong masks, shuffled outputs, lost order) cannot reach: such a model scores below 1.
+Both are marked slow (the small model trains for about two minutes of CPU, the other runs the
+README's default recipe); the fast set's learning claim is the copy task in tests/test_train.py.
+Each asserts a BLEU floor that an untrained or broken model (wrong masks, shuffled outputs,
+lost order) cannot reach: such a model scores below 1.
 """
 
 import os
@@ -35,6 +36,7 @@ def train_translate_score(config, workdir, num_sentences):
   return translation.score(hypotheses, references[:num_sentences]), result
 
 
+@pytest.mark.slow
 def test_small_model_learns_to_translate(tmp_path):
   config = tiny.get_config()
   config.model.vocab_size = 2000
