@@ -5,11 +5,13 @@ Each process is started with the environment of a SLURM task and `--distributed`
 run equals a 1-process run on the same 4 devices; SIGTERM to one process stops every process
 after the same step and the restart continues exactly; a killed process makes the others stop
 with an error instead of hanging; a damaged checkpoint is judged the same by every process;
-a run moves between topologies (2x2 -> 1x1 and 2x2 decoding, 1x4 training).
+a run moves between topologies (2x2 -> 1x1 and 2x2 decoding, 1x4 training); the paper's WMT14
+configs train, evaluate and decode end to end on the real TFDS builder with mocked data (slow).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import re
@@ -22,7 +24,7 @@ import numpy as np
 import pytest
 
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
-pytestmark = pytest.mark.skipif(
+needs_multi30k = pytest.mark.skipif(
     not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
     reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
 
@@ -98,6 +100,7 @@ def copy_up_to(run, step: int, workdir):
       shutil.rmtree(workdir / 'checkpoints' / name)
 
 
+@needs_multi30k
 def test_two_processes_train_and_evaluate_like_one(tmp_path, two_process_run):
   workdir, finished = two_process_run
   assert 'over 4 devices on 2 hosts' in finished[0].stderr
@@ -127,6 +130,7 @@ def test_two_processes_train_and_evaluate_like_one(tmp_path, two_process_run):
       str(step) for step in range(4, TWO_PROCESS_STEPS + 1, 4)}
 
 
+@needs_multi30k
 def test_sigterm_to_one_process_stops_all_at_one_step_and_resumes_exactly(tmp_path,
                                                                            two_process_run):
   workdir = tmp_path / 'run'
@@ -149,6 +153,7 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resumes_exactly(tmp_pa
   assert_params_close(workdir, resume_to, two_process_run[0])
 
 
+@needs_multi30k
 @pytest.mark.slow
 def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_run):
   workdir = tmp_path / 'run'
@@ -170,6 +175,7 @@ def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_r
   assert_params_close(workdir, saved[-1] + 4, two_process_run[0])
 
 
+@needs_multi30k
 @pytest.mark.slow
 def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path,
                                                                         two_process_run):
@@ -196,6 +202,7 @@ def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path
   assert_params_close(workdir, 36, two_process_run[0])
 
 
+@needs_multi30k
 def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
     tmp_path, two_process_run):
   workdir = tmp_path / 'run'
@@ -215,3 +222,67 @@ def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
   finished = train(workdir, 36, 1, 4)
   assert 'Resumed from step 32' in finished[0].stderr
   assert_params_close(workdir, 36, two_process_run[0], atol=ONE_STEP_ATOL)
+
+
+# ----------------------------------------------------------------------------- the WMT14 configs
+
+# The paper's configs on the real TFDS builder `wmt14_translate/de-en`, its data mocked in
+# every process (tests/mock_tfds_main.py): the builder has the real dataset's splits, and every
+# split (and every stream's part of train) yields the same MOCK_PAIRS pairs of random text.
+WMT14 = 'wmt14_translate/de-en'
+WMT14_SPLITS = ('train', 'validation', 'test')  # The real dataset's, as TFDS lists them.
+MOCK_PAIRS = 64  # Validation BLEU and decoding the test split cost most.
+WMT14_STEPS = 3
+MOCK_TFDS = ('tests/mock_tfds_main.py', f'--dataset={WMT14}', f'--splits={",".join(WMT14_SPLITS)}',
+             f'--num_examples={MOCK_PAIRS}')
+# What a 2-core CPU cannot run; every other key is the config's own: dataset, splits,
+# languages, max_length 128, 192 rows per step in 64 streams, shuffle window, dropout,
+# bfloat16, the mesh, schedule and decoding settings.
+WMT14_SHRINK = (
+    # 256 byte pieces, 3 special ids, 11 characters and some merges: sentencepiece cannot make
+    # 32,000 pieces of text written in 11 characters.
+    '--config.model.vocab_size=320',
+    '--config.model.num_encoder_layers=1', '--config.model.num_decoder_layers=1',
+    # The last step also evaluates (loss and BLEU), logs and saves a checkpoint.
+    f'--config.num_train_steps={WMT14_STEPS}',
+)
+WMT14_CONFIGS = {
+    # config: (its width on a CPU, the mesh its mesh_shape makes of 2 x 2 devices).
+    'wmt14_base': (('--config.model.d_model=64', '--config.model.d_ff=256'),  # 8 heads of 8.
+                   {'data': 4, 'fsdp': 1}),
+    # 16 heads of 8; its feed-forward kernels (128 x 512) are large enough for fsdp to split.
+    'wmt14_big': (('--config.model.d_model=128', '--config.model.d_ff=512'),
+                  {'data': 2, 'fsdp': 2}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize('config_name', sorted(WMT14_CONFIGS))
+def test_wmt14_config_trains_evaluates_and_decodes_on_two_processes(tmp_path, config_name):
+  import sharding
+  config = importlib.import_module(f'configs.{config_name}').get_config()
+  assert config.data.dataset_name == WMT14  # The builder the processes mock.
+  width, mesh = WMT14_CONFIGS[config_name]
+  workdir = tmp_path / 'run'
+  log = cluster_launcher.run(*MOCK_TFDS, 'train.py', f'--config=configs/{config_name}.py',
+                             f'--workdir={workdir}', *WMT14_SHRINK, *width)[0].stderr
+  assert f'Mesh: {mesh} over 4 devices on 2 hosts' in log
+  streams = config.data.num_streams
+  assert f'Train streams 0-{streams // 2 - 1} of {streams}:' in log  # The other half: process 1.
+  assert f'{WMT14}/{config.data.eval_split}: {MOCK_PAIRS} pairs' in log
+  evaluated = eval_rows(workdir)[WMT14_STEPS]
+  assert np.isfinite(evaluated['eval_nll']) and 'eval_bleu' in evaluated
+  params = params_at(workdir, WMT14_STEPS)  # Restores and verifies.
+  if mesh['fsdp'] > 1:
+    assert max(p.size for p in params.values()) >= sharding.FSDP_MIN_SIZE
+  # The test split, on one process and on two (--distributed): the same translations.
+  outputs = {}
+  for num_processes in (1, 2):
+    output = tmp_path / f'{config.data.test_split}.{num_processes}.txt'
+    log = cluster_launcher.run(*MOCK_TFDS, 'decode.py', f'--workdir={workdir}',
+                               f'--split={config.data.test_split}', f'--output={output}',
+                               num_processes=num_processes)[0].stderr
+    assert 'BLEU' in log and 'chrF' in log
+    outputs[num_processes] = output.read_text(encoding='utf-8')
+  assert outputs[2] == outputs[1]
+  assert len(outputs[1].split('\n')) == MOCK_PAIRS + 1
