@@ -56,8 +56,7 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   elapsed = time.time() - start
   logging.info('Translated %d sentences in %.1f s (%.1f sentences/s).', len(sources), elapsed,
                len(sources) / max(elapsed, 1e-9))
-  lines = translations if nbest == 1 else ['\t'.join(t) for t in translations]
-  text = ''.join(line + '\n' for line in lines)
+  text = ''.join(output_line(t if nbest > 1 else [t]) + '\n' for t in translations)
   writes = jax.process_index() == 0  # Every process holds every translation; one writes.
   if writes and output == '-':
     sys.stdout.write(text)
@@ -74,6 +73,15 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
           f"BLEU (lowercase) {scores['bleu_lowercase']:.2f}\n"
           f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})", file=sys.stderr)
   return scores
+
+
+def output_line(translations: list[str]) -> str:
+  """One sentence's translations as one output line, tab-separated.
+
+  A translation may decode to any character (byte fallback pieces included): line breaks and
+  tabs inside one become spaces, so every input line keeps exactly one output line.
+  """
+  return '\t'.join(' '.join(t.replace('\t', ' ').splitlines()) for t in translations)
 
 
 def define_flags():

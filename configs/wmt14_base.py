@@ -17,7 +17,7 @@ def get_config():
   config.data.dataset_name = 'wmt14_translate/de-en'
   config.data.eval_split = 'validation'
   config.data.test_split = 'test'
-  config.data.spm_sample_size = 10_000_000
+  config.data.spm_sample_size = 2_000_000  # Of the 9M sentences: a bounded BPE training.
   config.data.max_length = 128
   config.data.batch_size = 192  # 192 rows x 128 = 24,576 token slots per side.
   config.data.shuffle_buffer = 1_000_000

@@ -73,6 +73,15 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
     assert translator(params, [lines[position]]) == [hypotheses[position]]
 
 
+def test_a_translation_with_line_breaks_or_tabs_stays_on_its_line():
+  """Byte-fallback pieces can decode to any character; a newline in one translation used to
+  shift every later output line against its input."""
+  import decode
+  assert decode.output_line(['a\nb', 'c\td\r\ne']) == 'a b\tc d e'
+  assert decode.output_line(['x\u2028y']) == 'x y'
+  assert decode.output_line(['']) == ''
+
+
 def test_decode_stdin_to_stdout_and_nbest(workdir):
   result = run_decode('--workdir', workdir, '--input', '-', '--nbest', '2',
                       stdin=b'A dog runs.\nTwo men.\n')
