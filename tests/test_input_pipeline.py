@@ -4,6 +4,7 @@ Tests that need the Multi30k files are skipped when they are absent.
 """
 
 import collections
+import dataclasses
 import gzip
 import io
 import json
@@ -263,6 +264,42 @@ def test_every_pair_once_per_stream_epoch(small):
   assert all(v.shape == (8, 32) and v.dtype == np.int32 for v in batches[0].values())
   assert set(batches[0]) == set(ip.FEATURE_KEYS)
   it.close()
+
+
+@needs_multi30k
+def test_streams_read_tfds_files_directly_as_tfds_reads_them(small, monkeypatch):
+  """Uneven even splits (2,000 pairs in 3 streams) read in one pass equal TFDS's own reader."""
+  config, tokenizer, _ = small
+  builder = ip.prepared_builder(config)
+  assert ip._record_spec(builder, config) is not None
+  direct = list(ip.read_streams(builder, config, tokenizer, [0, 1, 2], 3))
+  monkeypatch.setattr(ip, '_record_spec', lambda *args: None)
+  for s in (2, 0):
+    (stream, pairs, counts), = ip.read_streams(builder, config, tokenizer, [s], 3)
+    assert stream == direct[s][0] == s and counts == direct[s][2]
+    assert all(np.array_equal(a, b) for a, b in zip(
+        dataclasses.astuple(pairs), dataclasses.astuple(direct[s][1]), strict=True))
+  assert [c['read'] for _, _, c in direct] == [667, 667, 666]
+  assert direct[0][1].source_tokens.dtype == np.uint16
+
+
+@needs_multi30k
+def test_cached_streams_give_the_same_batches_without_reading(small, tmp_path, monkeypatch):
+  config, tokenizer, _ = small
+  cache = tmp_path / 'train_tokens'
+  first = ip.make_train_iterator(config, tokenizer, cache_dir=str(cache))
+  batches = [next(first) for _ in range(3)]
+  assert len(list(cache.iterdir())) == 4
+  monkeypatch.setattr(ip, '_stream_chunks', _no_training)
+  resumed = ip.make_train_iterator(config, tokenizer, cache_dir=str(cache),
+                                   state={'num_streams': 4, 'positions': [[0, 1]] * 4})
+  assert _same([next(resumed) for _ in range(2)], batches[1:])
+  monkeypatch.undo()
+  # Another max_length is another stream's content: read again, the old file replaced.
+  shorter = _stream_config(config, max_length=24)
+  assert next(ip.make_train_iterator(shorter, tokenizer, cache_dir=str(cache)))['inputs'].shape \
+      == (8, 24)
+  assert len(list(cache.iterdir())) == 4
 
 
 @needs_multi30k
