@@ -1,20 +1,20 @@
 """Input pipeline: TFDS sources, joint sentencepiece BPE, packed training batches in streams.
 
-Sources (`config.data.dataset_name`), all read through TFDS / tf.data:
+Sources (`config.data.dataset_name`), all prepared and split by TFDS:
   * any TFDS translation dataset, e.g. 'wmt14_translate/de-en';
   * 'multi30k': the project's own builder below (Multi30k task 1, en/de/fr);
   * 'folder:/path': aligned plain-text files `{split}.{lang}` (e.g. train.en, train.de).
 
-TFDS reads the text; numpy does the rest. Training data flows in `config.data.num_streams`
-streams: stream s reads only its even split of the train split (`tfds.even_splits`), tokenizes
-it in chunks of 8,192 pairs (one sentencepiece call per side) and keeps its pairs flat (one
-token array per side plus offsets, uint16 when the vocabulary fits). Per epoch it permutes its
-pairs with a generator seeded by (seed, stream, epoch), packs them best-fit in windows and
-shuffles the rows; an epoch is kept as pair order + row offsets, and each step's arrays are
-built from them on demand. A step's global batch is every stream's rows, in stream order, and
-process p of P runs the streams [p * S / P, (p + 1) * S / P): the global batches do not depend
-on the number of processes, and each process returns its contiguous slice of them. The stream
-position, (epoch, batch_in_epoch) per stream, is the whole resumable state.
+tf.data reads the text; numpy does the rest. Training data flows in `config.data.num_streams`
+streams: stream s is its even split of the train split (`tfds.even_splits`), whose records a
+host reads from TFDS's files in chunks of 8,192 (one parse and one sentencepiece call per side
+each) and keeps flat (one token array per side plus offsets, uint16 when the vocabulary fits).
+Per epoch a stream permutes its pairs with a generator seeded by (seed, stream, epoch), packs
+them best-fit in windows and shuffles the rows; the epoch is kept as pair order + row offsets,
+and each step's arrays are built from them on demand. A step's global batch is every stream's
+rows in stream order, and process p of P runs streams [p * S / P, (p + 1) * S / P): the global
+batches do not depend on the number of processes, each process returns its contiguous slice of
+them, and the state is one (epoch, batch_in_epoch) per stream.
 
 Process 0 alone trains the tokenizer and prepares TFDS data; the other processes wait for them.
 """
@@ -343,7 +343,7 @@ def _record_spec(builder: tfds.core.DatasetBuilder, config) -> dict[str, Any] | 
   spec = {}
   for lang in (config.data.source_lang, config.data.target_lang):
     info = serialized.get(lang) if isinstance(serialized, dict) else None
-    if info is None or tuple(info.shape) != () or info.dtype != tf.string:
+    if info is None or tuple(info.shape) != () or info.tf_dtype != tf.string:
       return None
     spec[lang] = tf.io.FixedLenFeature([], tf.string)
   return spec
