@@ -11,11 +11,13 @@ lengths look like WMT's) in DIR/synthetic_N/train.{en,de}, read through the 'fol
 with configs/wmt14_base.py's data settings (max_length 128, batch 192, 64 streams) and an 8k
 vocabulary; TFDS preparation and the tokenizer are made once in DIR (reused by later runs),
 then for each count P of --processes, P worker processes (process_index 0..P-1 of P) run at
-once and each reports:
+once (or --one_at_a_time) and each reports:
 
   * read_and_tokenize_seconds, pack_first_epoch_seconds, pairs_per_second (its streams' pairs
     over both), first_batch_seconds (make_train_iterator + the first batch);
   * pack_epoch_seconds: packing the next epoch of all its streams (normally in a thread);
+    *_cpu_seconds: the process's CPU time for the same (all its threads), which other jobs on
+    the machine change less than the wall time;
   * batches_per_second and tokens/s over --batches batches after --warmup;
   * resume_seconds: a new iterator from the state saved mid-epoch, up to its first batch,
     and whether that batch equals the uninterrupted iterator's; the first iterator keeps the
@@ -56,6 +58,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help='Make a corpus of this many pairs from Multi30k lines (0: Multi30k).')
   parser.add_argument('--processes', default='1',
                       help='Comma-separated process counts to run the workers with.')
+  parser.add_argument('--one_at_a_time', action='store_true',
+                      help='Run the worker processes one after another, each with the whole '
+                      'machine (as hosts with their own cores), instead of at once.')
   parser.add_argument('--spm_sample_size', type=int, default=400_000,
                       help='Tokenizer sample of the synthetic corpus, in sentences.')
   parser.add_argument('--vocab_size', type=int, default=8000,
@@ -114,14 +119,15 @@ def peak_rss_mb() -> float:
 def measure(config, tokenizer, args, cache_dir: str, process_index: int = 0,
             process_count: int = 1) -> dict:
   """One process's numbers (see the module docstring); cache_dir starts without this run's."""
-  start = time.perf_counter()
+  start, start_cpu = time.perf_counter(), time.process_time()
   it = ip.make_train_iterator(config, tokenizer, process_index=process_index,
                               process_count=process_count, cache_dir=cache_dir)
-  made = time.perf_counter() - start
-  start = time.perf_counter()
+  made, made_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+  start, start_cpu = time.perf_counter(), time.process_time()
   for stream in it.streams:  # One epoch's packing, before any runs in the background.
     stream.pack_epoch(stream.epoch + 1)
   pack_epoch = time.perf_counter() - start
+  pack_epoch_cpu = time.process_time() - start_cpu  # What other jobs on the machine don't slow.
   start = time.perf_counter()
   next(it)
   first_batch = made + time.perf_counter() - start
@@ -145,7 +151,9 @@ def measure(config, tokenizer, args, cache_dir: str, process_index: int = 0,
       'pack_first_epoch_seconds': round(it.setup_seconds['pack'], 2),
       'pairs_per_second': round(pairs / sum(it.setup_seconds.values())),
       'first_batch_seconds': round(first_batch, 2),
+      'make_iterator_cpu_seconds': round(made_cpu, 2),
       'pack_epoch_seconds': round(pack_epoch, 2),
+      'pack_epoch_cpu_seconds': round(pack_epoch_cpu, 2),
       'batches_per_epoch': min(it.epoch_batches),
       'batches_per_second': round(args.batches / elapsed, 1),
       'target_tokens_per_second': round(tgt_tokens / elapsed),
@@ -182,9 +190,10 @@ def run_workers(args, workdir: str, process_count: int) -> list[dict]:
            '--spm_sample_size', str(args.spm_sample_size), '--vocab_size', str(args.vocab_size),
            '--process_index', str(p), '--process_count', str(process_count)]
     procs.append(subprocess.Popen(cmd, cwd=REPO))
-  for proc in procs:
-    if proc.wait():
-      raise RuntimeError(f'{proc.args} exited with {proc.returncode}.')
+    if args.one_at_a_time or p == process_count - 1:
+      for proc in procs:
+        if proc.wait():
+          raise RuntimeError(f'{proc.args} exited with {proc.returncode}.')
   return [json.loads(Path(out).read_text()) for out in outputs]
 
 
@@ -223,7 +232,7 @@ def main(argv=None) -> dict:
                    num_streams=config.data.num_streams, vocab_size=tokenizer.vocab_size,
                    batches=args.batches)
     if args.synthetic_pairs:
-      results['pairs'] = args.synthetic_pairs
+      results.update(pairs=args.synthetic_pairs, one_at_a_time=args.one_at_a_time)
       results['runs'] = {str(p): run_workers(args, workdir, p)
                          for p in map(int, args.processes.split(','))}
     else:

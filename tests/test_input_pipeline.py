@@ -84,7 +84,8 @@ def _expected_pairs(config, tokenizer, src, tgt):
       if len(a) <= config.data.max_length and len(b) <= config.data.max_length)
 
 
-def _stream_config(config, **data):
+def _with_data(config, **data):
+  """A copy of config with these config.data settings."""
   config = config.copy_and_resolve_references()
   config.data.update(data)
   return config
@@ -188,7 +189,7 @@ def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkey
 @needs_multi30k
 def test_only_process_0_prepares_tfds_data_others_wait(small, tmp_path, monkeypatch):
   config, _, _ = small
-  config = _stream_config(config, data_dir=str(tmp_path / 'tfds'))
+  config = _with_data(config, data_dir=str(tmp_path / 'tfds'))
   monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
   preparers = []
   prepare = ip.ParallelTextFolder.download_and_prepare
@@ -296,7 +297,7 @@ def test_cached_streams_give_the_same_batches_without_reading(small, tmp_path, m
   assert _same([next(resumed) for _ in range(2)], batches[1:])
   monkeypatch.undo()
   # Another max_length is another stream's content: read again, the old file replaced.
-  shorter = _stream_config(config, max_length=24)
+  shorter = _with_data(config, max_length=24)
   assert next(ip.make_train_iterator(shorter, tokenizer, cache_dir=str(cache)))['inputs'].shape \
       == (8, 24)
   assert len(list(cache.iterdir())) == 4
@@ -366,7 +367,7 @@ def test_unmappable_state_warns_and_starts_fresh_epochs(small, caplog):
 def test_streams_must_divide_batch_and_processes(small):
   config, tokenizer, _ = small
   with pytest.raises(ip.DataError, match=r'batch_size=8 .*set data.num_streams to a divisor of 8'):
-    ip.make_train_iterator(_stream_config(config, num_streams=3), tokenizer)
+    ip.make_train_iterator(_with_data(config, num_streams=3), tokenizer)
   with pytest.raises(ip.DataError, match=r'num_streams=4 .* 8 processes; set data.num_streams '
                      'to a multiple of 8'):
     ip.make_train_iterator(config, tokenizer, process_index=0, process_count=8)
