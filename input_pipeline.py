@@ -354,8 +354,8 @@ def _instruction_chunks(config, spec: dict[str, Any],
   """Texts of TFDS file instructions (file, skip, take), in order, READ_CHUNK_PAIRS at a time.
 
   Reads the records straight from TFDS's files and parses each chunk's examples in one call
-  (TFDS's own reader parses them one at a time, about 30x slower); adjacent ranges of a file
-  are read as one, so each file is scanned once.
+  (TFDS's own reader parses them one at a time, which costs most of its time); adjacent ranges
+  of a file are read as one, so each file is scanned once.
   """
   ranges = []  # [filename, skip, take]
   for fi in instructions:
