@@ -1,20 +1,20 @@
 """Input pipeline: TFDS sources, joint sentencepiece BPE, packed training batches in streams.
 
-Sources (`config.data.dataset_name`), all read through TFDS / tf.data:
+Sources (`config.data.dataset_name`), all prepared and split by TFDS:
   * any TFDS translation dataset, e.g. 'wmt14_translate/de-en';
   * 'multi30k': the project's own builder below (Multi30k task 1, en/de/fr);
   * 'folder:/path': aligned plain-text files `{split}.{lang}` (e.g. train.en, train.de).
 
-TFDS reads the text; numpy does the rest. Training data flows in `config.data.num_streams`
-streams: stream s reads only its even split of the train split (`tfds.even_splits`), tokenizes
-it in chunks of 8,192 pairs (one sentencepiece call per side) and keeps its pairs flat (one
-token array per side plus offsets, uint16 when the vocabulary fits). Per epoch it permutes its
-pairs with a generator seeded by (seed, stream, epoch), packs them best-fit in windows and
-shuffles the rows; an epoch is kept as pair order + row offsets, and each step's arrays are
-built from them on demand. A step's global batch is every stream's rows, in stream order, and
-process p of P runs the streams [p * S / P, (p + 1) * S / P): the global batches do not depend
-on the number of processes, and each process returns its contiguous slice of them. The stream
-position, (epoch, batch_in_epoch) per stream, is the whole resumable state.
+tf.data reads the text; numpy does the rest. Training data flows in `config.data.num_streams`
+streams: stream s is its even split of the train split (`tfds.even_splits`), whose records a
+host reads from TFDS's files in chunks of 8,192 (one parse and one sentencepiece call per side
+each) and keeps flat (one token array per side plus offsets, uint16 when the vocabulary fits).
+Per epoch a stream permutes its pairs with a generator seeded by (seed, stream, epoch), packs
+them best-fit in windows and shuffles the rows; the epoch is kept as pair order + row offsets,
+and each step's arrays are built from them on demand. A step's global batch is every stream's
+rows in stream order, and process p of P runs streams [p * S / P, (p + 1) * S / P): the global
+batches do not depend on the number of processes, each process returns its contiguous slice of
+them, and the state is one (epoch, batch_in_epoch) per stream.
 
 Process 0 alone trains the tokenizer and prepares TFDS data; the other processes wait for them.
 """
@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import sentencepiece as spm
+import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
@@ -330,6 +331,60 @@ def _text_chunks(builder: tfds.core.DatasetBuilder, config,
            [t.decode('utf-8').strip() for t in batch[tgt_lang]])
 
 
+def _record_spec(builder: tfds.core.DatasetBuilder, config) -> dict[str, Any] | None:
+  """tf.io parsing spec of the two languages if TFDS's files can be read directly, else None.
+
+  They can when they are TFRecord files of tf.train.Example whose language features are
+  scalar strings (as TFDS writes Text features).
+  """
+  if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
+    return None
+  serialized = builder.info.features.get_serialized_info()
+  spec = {}
+  for lang in (config.data.source_lang, config.data.target_lang):
+    info = serialized.get(lang) if isinstance(serialized, dict) else None
+    if info is None or tuple(info.shape) != () or info.tf_dtype != tf.string:
+      return None
+    spec[lang] = tf.io.FixedLenFeature([], tf.string)
+  return spec
+
+
+def _instruction_chunks(config, spec: dict[str, Any],
+                        instructions) -> Iterator[tuple[list[str], list[str]]]:
+  """Texts of TFDS file instructions (file, skip, take), in order, READ_CHUNK_PAIRS at a time.
+
+  Reads the records straight from TFDS's files and parses each chunk's examples in one call
+  (TFDS's own reader parses them one at a time, which costs most of its time); adjacent ranges
+  of a file are read as one, so each file is scanned once.
+  """
+  ranges = []  # [filename, skip, take]
+  for fi in instructions:
+    if ranges and ranges[-1][0] == fi.filename and sum(ranges[-1][1:]) == fi.skip:
+      ranges[-1][2] += fi.take
+    elif fi.take:
+      ranges.append([fi.filename, fi.skip, fi.take])
+  if not ranges:
+    return
+  ds = None
+  for filename, skip, take in ranges:
+    part = tf.data.TFRecordDataset(filename).skip(skip).take(take)
+    ds = part if ds is None else ds.concatenate(part)
+  ds = ds.batch(READ_CHUNK_PAIRS).map(lambda records: tf.io.parse_example(records, spec))
+  src_lang, tgt_lang = config.data.source_lang, config.data.target_lang
+  for batch in ds.prefetch(1).as_numpy_iterator():
+    yield ([s.decode('utf-8').strip() for s in batch[src_lang]],
+           [t.decode('utf-8').strip() for t in batch[tgt_lang]])
+
+
+def _split_chunks(builder: tfds.core.DatasetBuilder, config,
+                  split) -> Iterator[tuple[list[str], list[str]]]:
+  """Like `_text_chunks` (same pairs and chunking), through `_instruction_chunks` if it can."""
+  spec = _record_spec(builder, config)
+  if spec is None:
+    return _text_chunks(builder, config, split)
+  return _instruction_chunks(config, spec, builder.info.splits[split].file_instructions)
+
+
 def read_split(config, split: str, *, process_index: int = 0,
                process_count: int = 1) -> tuple[list[str], list[str]]:
   """All (source, target) texts of a split, in dataset order, whitespace-stripped.
@@ -371,6 +426,7 @@ class Tokenizer:
   def __init__(self, sp: spm.SentencePieceProcessor):
     self._sp = sp
     self.vocab_size = sp.get_piece_size()
+    self.fingerprint = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
     # Smallest unsigned dtype that holds every id: what flat token arrays are stored in.
     self.token_dtype = np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.int32)
 
@@ -425,7 +481,7 @@ def tokenizer_sample(config) -> list[str]:
     drawn = np.zeros(num_pairs, bool)
     drawn[rng.choice(num_pairs, data.spm_sample_size // 2, replace=False)] = True
   sources, targets, start = [], [], 0
-  for src, tgt in _text_chunks(builder, config, data.train_split):
+  for src, tgt in _split_chunks(builder, config, data.train_split):
     chunk = range(len(src)) if drawn is None else np.flatnonzero(drawn[start:start + len(src)])
     start += len(src)
     for i in chunk:
@@ -583,40 +639,89 @@ class TokenizedPairs:
     return self.target_tokens, self.target_offsets
 
 
-def read_stream(builder: tfds.core.DatasetBuilder, config, tokenizer: Tokenizer, stream: int,
-                num_streams: int) -> tuple[TokenizedPairs, dict[str, int]]:
-  """Stream `stream` of `num_streams`: its even split of the train split, tokenized.
+def _stream_chunks(builder: tfds.core.DatasetBuilder, config, streams: Sequence[int],
+                   num_streams: int) -> Iterator[tuple[int, list[str], list[str]]]:
+  """(stream, sources, targets) pieces of the streams' even splits of the train split, in order.
 
-  `builder`: the prepared builder of config.data.dataset_name (`prepared_builder`).
-
-  Reads READ_CHUNK_PAIRS pairs at a time; drops pairs with an empty side and pairs longer
-  than config.data.max_length tokens (EOS included). Returns the pairs and counts of what was
-  read and dropped ({'read', 'empty', 'long'}).
+  Each stream starts with an empty piece; streams that are adjacent in the split are read in
+  one pass.
   """
-  data = config.data
-  split = tfds.even_splits(data.train_split, num_streams)[stream]
-  parts = {'inputs': ([], []), 'targets': ([], [])}  # Side -> (token chunks, length chunks).
-  counts = {'read': 0, 'empty': 0, 'long': 0}
-  for src, tgt in _text_chunks(builder, config, split):
-    counts['read'] += len(src)
+  splits = tfds.even_splits(config.data.train_split, num_streams)
+  spec = _record_spec(builder, config)
+  if spec is None:
+    for stream in streams:
+      yield stream, [], []
+      for src, tgt in _text_chunks(builder, config, splits[stream]):
+        yield stream, src, tgt
+    return
+  infos = [builder.info.splits[splits[stream]] for stream in streams]
+  chunks = _instruction_chunks(config, spec,
+                               [fi for info in infos for fi in info.file_instructions])
+  src, tgt = [], []
+  for stream, info in zip(streams, infos, strict=True):
+    yield stream, [], []
+    left = info.num_examples
+    while left:
+      if not src:
+        src, tgt = next(chunks)
+      n = min(left, len(src))
+      yield stream, src[:n], tgt[:n]
+      src, tgt, left = src[n:], tgt[n:], left - n
+
+
+class _PairCollector:
+  """Tokenizes one stream's text pieces into flat arrays, dropping empty and long pairs."""
+
+  def __init__(self, tokenizer: Tokenizer, max_length: int):
+    self._tokenizer, self._max_length = tokenizer, max_length
+    self._parts = {'inputs': ([], []), 'targets': ([], [])}  # Side -> token, length chunks.
+    self.counts = {'read': 0, 'empty': 0, 'long': 0}
+
+  def add(self, src: list[str], tgt: list[str]) -> None:
+    self.counts['read'] += len(src)
     keep = [i for i, (s, t) in enumerate(zip(src, tgt, strict=True)) if s and t]
-    counts['empty'] += len(src) - len(keep)
-    encoded = {side: tokenizer.encode_flat([texts[i] for i in keep])
+    self.counts['empty'] += len(src) - len(keep)
+    if not keep:
+      return
+    encoded = {side: self._tokenizer.encode_flat([texts[i] for i in keep])
                for side, texts in (('inputs', src), ('targets', tgt))}
-    fits = ((encoded['inputs'][1] <= data.max_length) &
-            (encoded['targets'][1] <= data.max_length))
-    counts['long'] += int((~fits).sum())
+    fits = ((encoded['inputs'][1] <= self._max_length) &
+            (encoded['targets'][1] <= self._max_length))
+    self.counts['long'] += int((~fits).sum())
     for side, (tokens, lengths) in encoded.items():
-      token_fits = np.repeat(fits, lengths)
-      parts[side][0].append(tokens[token_fits])
-      parts[side][1].append(lengths[fits])
-  flat = {}
-  for side, (token_chunks, length_chunks) in parts.items():
-    lengths = np.concatenate(length_chunks or [np.zeros(0, np.int64)])
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    flat[side] = (np.concatenate(token_chunks or [np.zeros(0, tokenizer.token_dtype)]), offsets)
-  return TokenizedPairs(*flat['inputs'], *flat['targets']), counts
+      self._parts[side][0].append(tokens[np.repeat(fits, lengths)])
+      self._parts[side][1].append(lengths[fits])
+
+  def pairs(self) -> TokenizedPairs:
+    flat = []
+    for token_chunks, length_chunks in self._parts.values():
+      lengths = np.concatenate(length_chunks or [np.zeros(0, np.int64)])
+      offsets = np.zeros(len(lengths) + 1, np.int64)
+      np.cumsum(lengths, out=offsets[1:])
+      flat += [np.concatenate(token_chunks or [np.zeros(0, self._tokenizer.token_dtype)]),
+               offsets]
+    return TokenizedPairs(*flat)
+
+
+def read_streams(builder: tfds.core.DatasetBuilder, config, tokenizer: Tokenizer,
+                 streams: Sequence[int],
+                 num_streams: int) -> Iterator[tuple[int, TokenizedPairs, dict[str, int]]]:
+  """Streams `streams` (ascending) of `num_streams`, each its even split of the train split.
+
+  Yields (stream, its tokenized pairs, counts {'read', 'empty', 'long'}) one stream at a time,
+  reading and tokenizing READ_CHUNK_PAIRS pairs at a time; drops pairs with an empty side and
+  pairs longer than config.data.max_length tokens (EOS included). `builder`: the prepared
+  builder of config.data.dataset_name (`prepared_builder`).
+  """
+  current, collector = None, None
+  for stream, src, tgt in _stream_chunks(builder, config, streams, num_streams):
+    if stream != current:
+      if collector is not None:
+        yield current, collector.pairs(), collector.counts
+      current, collector = stream, _PairCollector(tokenizer, config.data.max_length)
+    collector.add(src, tgt)
+  if collector is not None:
+    yield current, collector.pairs(), collector.counts
 
 
 def build_rows(pairs: TokenizedPairs, members: np.ndarray, pairs_per_row: np.ndarray,
@@ -809,6 +914,7 @@ class TrainIterator:
   def __init__(self, streams: Sequence[TrainStream], *, num_streams: int,
                pool: concurrent.futures.ThreadPoolExecutor):
     self.streams, self.num_streams, self._pool = list(streams), num_streams, pool
+    self.setup_seconds: dict[str, float] = {}  # What building it cost: reading, packing.
 
   @property
   def epoch_batches(self) -> list[int]:
@@ -848,17 +954,50 @@ class TrainIterator:
     self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+def _cached_stream_path(cache_dir: str, builder: tfds.core.DatasetBuilder, config,
+                        tokenizer: Tokenizer, stream: int, num_streams: int) -> str:
+  """Where a stream's tokenized pairs are kept; the name fingerprints what they depend on."""
+  data = config.data
+  h = hashlib.sha256(tokenizer.fingerprint.encode())
+  for part in (builder.info.full_name, builder.info.splits[data.train_split].num_examples,
+               data.train_split, data.source_lang, data.target_lang, data.max_length):
+    h.update(f'|{part}'.encode())
+  return os.path.join(cache_dir, f'stream_{stream}_of_{num_streams}_{h.hexdigest()[:16]}.npz')
+
+
+def _load_cached_stream(path: str) -> tuple[TokenizedPairs, dict[str, int]]:
+  with np.load(path) as f:
+    pairs = TokenizedPairs(*(f[field.name] for field in dataclasses.fields(TokenizedPairs)))
+    return pairs, {k: int(f[k]) for k in ('read', 'empty', 'long')}
+
+
+def _save_cached_stream(path: str, pairs: TokenizedPairs, counts: dict[str, int]) -> None:
+  """Writes atomically and removes the stream's files of other fingerprints."""
+  folder, name = os.path.split(path)
+  os.makedirs(folder, exist_ok=True)
+  prefix = name[:name.rindex('_') + 1]
+  for old in os.listdir(folder):
+    if old.startswith(prefix) and old != name:
+      os.remove(os.path.join(folder, old))
+  tmp = f'{path}.tmp{os.getpid()}.npz'
+  np.savez(tmp, **dataclasses.asdict(pairs), **counts)
+  os.replace(tmp, path)
+
+
 def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
-                        process_count: int = 1, state: dict | None = None) -> TrainIterator:
+                        process_count: int = 1, state: dict | None = None,
+                        cache_dir: str | None = None) -> TrainIterator:
   """Reads, tokenizes and packs this process's streams of the train split.
 
   Process p of P reads only the S / P even splits of its streams (S = config.data.num_streams),
   drops pairs longer than max_length, and packs each stream's current epoch: the iterator's
   first batch costs reading, tokenizing and packing one epoch of 1 / P of the data, and so does
   resuming from `state` (a merged state, see `TrainIterator.get_state`; positions beyond an
-  epoch are a DataError). `config.data.shuffle_buffer` is the packing window in pairs (pairs
-  are permuted over the whole stream first, so the shuffle itself is uniform whatever the
-  window).
+  epoch are a DataError). With `cache_dir` (e.g. a folder of the workdir, which the tokenizer
+  also lives in), each stream's tokenized pairs are kept there and read back by later
+  iterators, so a resume costs loading them and packing one epoch. `config.data.shuffle_buffer`
+  is the packing window in pairs (pairs are permuted over the whole stream first, so the
+  shuffle itself is uniform whatever the window).
   """
   data = config.data
   if not 0 <= process_index < process_count:
@@ -874,24 +1013,45 @@ def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
                     'part; merge every process\'s get_state() by elementwise max.')
   builder = prepared_builder(config, process_index=process_index, process_count=process_count)
   _check_split(builder, config, data.train_split)
+  cached = {s: _cached_stream_path(cache_dir, builder, config, tokenizer, s, num_streams)
+            for s in own} if cache_dir else {}
+  cached = {s: path for s, path in cached.items() if os.path.isfile(path)}
+  reading = read_streams(builder, config, tokenizer, [s for s in own if s not in cached],
+                         num_streams)
   pool = concurrent.futures.ThreadPoolExecutor(1)
   streams, totals = [], {'read': 0, 'empty': 0, 'long': 0}
+  seconds = {'read_and_tokenize': 0.0, 'pack': 0.0}
   for s in own:
-    pairs, counts = read_stream(builder, config, tokenizer, s, num_streams)
+    start = time.perf_counter()
+    if s in cached:
+      pairs, counts = _load_cached_stream(cached[s])
+    else:
+      _, pairs, counts = next(reading)
+      if cache_dir:
+        _save_cached_stream(_cached_stream_path(cache_dir, builder, config, tokenizer, s,
+                                                num_streams), pairs, counts)
     totals = {k: totals[k] + counts[k] for k in totals}
     epoch, batch = positions[s]
+    packing = time.perf_counter()
     streams.append(TrainStream(pairs, stream=s, seed=config.seed, rows_per_step=rows_per_step,
                                max_length=data.max_length, window=data.shuffle_buffer,
                                pool=pool, epoch=epoch, batch_in_epoch=batch))
+    seconds['read_and_tokenize'] += packing - start
+    seconds['pack'] += time.perf_counter() - packing
   if totals['empty']:
     logging.warning('%s/%s: skipped %d pairs with an empty side.', data.dataset_name,
                     data.train_split, totals['empty'])
   logging.info('Dropped %d of %d training pairs longer than max_length=%d tokens (incl. EOS).',
                totals['long'], totals['read'] - totals['empty'], data.max_length)
   it = TrainIterator(streams, num_streams=num_streams, pool=pool)
+  it.setup_seconds = seconds
   logging.info('Train streams %d-%d of %d: %d pairs, %d rows per step, packing efficiency '
-               '%.1f%%.', own[0], own[-1], num_streams, sum(s.pairs.num_pairs for s in streams),
-               rows_per_step * len(streams), 100 * it.packing_efficiency)
+               '%.1f%%; %s in %.1f s, packed in %.1f s.', own[0], own[-1], num_streams,
+               sum(s.pairs.num_pairs for s in streams), rows_per_step * len(streams),
+               100 * it.packing_efficiency,
+               f'{len(cached)} streams loaded from {cache_dir}, {len(own) - len(cached)} read '
+               'and tokenized' if cache_dir else 'read and tokenized',
+               seconds['read_and_tokenize'], seconds['pack'])
   return it
 
 

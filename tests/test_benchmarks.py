@@ -63,8 +63,12 @@ def test_analytic_flops_match_hand_count():
   assert flops['output_projection'] == 6 * d * vocab * tokens
 
 
-@pytest.mark.skipif(not (Path(os.environ.get(ip.MULTI30K_ENV, '/nonexistent')) / 'train.en')
-                    .is_file(), reason='Multi30k test data not found ($MULTI30K_DIR)')
+needs_multi30k = pytest.mark.skipif(
+    not (Path(os.environ.get(ip.MULTI30K_ENV, '/nonexistent')) / 'train.en').is_file(),
+    reason='Multi30k test data not found ($MULTI30K_DIR)')
+
+
+@needs_multi30k
 def test_input_pipeline_benchmark_runs(tmp_path):
   out = tmp_path / 'input.json'
   results = input_pipeline_benchmark.main(['--workdir', str(tmp_path / 'work'), '--batches', '5',
@@ -73,7 +77,25 @@ def test_input_pipeline_benchmark_runs(tmp_path):
   assert (results['batch_size'], results['max_length'], results['vocab_size']) == (32, 64, 8000)
   assert results['batches_per_second'] > 0 and results['target_tokens_per_second'] > 0
   assert 0.9 <= results['packing_efficiency'] <= 1
-  assert results['final_state'] == {'num_streams': 4, 'positions': [[0, 6]] * 4}
+  # The first batch, 1 warm-up and 5 timed batches, from 4 streams.
+  assert results['final_state'] == {'num_streams': 4, 'positions': [[0, 7]] * 4}
+  assert results['resume_matches'] and 0 < results['resume_seconds'] < 60
+  assert results['peak_rss_mb'] > 0 and results['pack_epoch_seconds'] > 0
+
+
+@needs_multi30k
+def test_input_pipeline_benchmark_on_a_synthetic_corpus_with_two_processes(tmp_path):
+  out = tmp_path / 'input.json'
+  results = input_pipeline_benchmark.main([
+      '--workdir', str(tmp_path), '--synthetic_pairs', '1500', '--processes', '2',
+      '--vocab_size', '500', '--batches', '3', '--warmup', '1', '--json', str(out)])
+  assert json.loads(out.read_text()) == json.loads(json.dumps(results))
+  lines = (tmp_path / 'synthetic_1500' / 'train.de').read_text().splitlines()
+  assert len(lines) == 1500 and (results['num_streams'], results['batch_size']) == (64, 192)
+  workers = results['runs']['2']
+  assert [w['streams'] for w in workers] == [[0, 31], [32, 63]]
+  assert all(w['resume_matches'] and w['peak_rss_mb'] > 0 for w in workers)
+  assert workers[0]['pairs'] + workers[1]['pairs'] <= 1500
 
 
 def _write_metrics(path, lines):

@@ -4,6 +4,7 @@ Tests that need the Multi30k files are skipped when they are absent.
 """
 
 import collections
+import dataclasses
 import gzip
 import io
 import json
@@ -83,7 +84,8 @@ def _expected_pairs(config, tokenizer, src, tgt):
       if len(a) <= config.data.max_length and len(b) <= config.data.max_length)
 
 
-def _stream_config(config, **data):
+def _with_data(config, **data):
+  """A copy of config with these config.data settings."""
   config = config.copy_and_resolve_references()
   config.data.update(data)
   return config
@@ -187,7 +189,7 @@ def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkey
 @needs_multi30k
 def test_only_process_0_prepares_tfds_data_others_wait(small, tmp_path, monkeypatch):
   config, _, _ = small
-  config = _stream_config(config, data_dir=str(tmp_path / 'tfds'))
+  config = _with_data(config, data_dir=str(tmp_path / 'tfds'))
   monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
   preparers = []
   prepare = ip.ParallelTextFolder.download_and_prepare
@@ -266,6 +268,42 @@ def test_every_pair_once_per_stream_epoch(small):
 
 
 @needs_multi30k
+def test_streams_read_tfds_files_directly_as_tfds_reads_them(small, monkeypatch):
+  """Uneven even splits (2,000 pairs in 3 streams) read in one pass equal TFDS's own reader."""
+  config, tokenizer, _ = small
+  builder = ip.prepared_builder(config)
+  assert ip._record_spec(builder, config) is not None
+  direct = list(ip.read_streams(builder, config, tokenizer, [0, 1, 2], 3))
+  monkeypatch.setattr(ip, '_record_spec', lambda *args: None)
+  for s in (2, 0):
+    (stream, pairs, counts), = ip.read_streams(builder, config, tokenizer, [s], 3)
+    assert stream == direct[s][0] == s and counts == direct[s][2]
+    assert all(np.array_equal(a, b) for a, b in zip(
+        dataclasses.astuple(pairs), dataclasses.astuple(direct[s][1]), strict=True))
+  assert [c['read'] for _, _, c in direct] == [667, 667, 666]
+  assert direct[0][1].source_tokens.dtype == np.uint16
+
+
+@needs_multi30k
+def test_cached_streams_give_the_same_batches_without_reading(small, tmp_path, monkeypatch):
+  config, tokenizer, _ = small
+  cache = tmp_path / 'train_tokens'
+  first = ip.make_train_iterator(config, tokenizer, cache_dir=str(cache))
+  batches = [next(first) for _ in range(3)]
+  assert len(list(cache.iterdir())) == 4
+  monkeypatch.setattr(ip, '_stream_chunks', _no_training)
+  resumed = ip.make_train_iterator(config, tokenizer, cache_dir=str(cache),
+                                   state={'num_streams': 4, 'positions': [[0, 1]] * 4})
+  assert _same([next(resumed) for _ in range(2)], batches[1:])
+  monkeypatch.undo()
+  # Another max_length is another stream's content: read again, the old file replaced.
+  shorter = _with_data(config, max_length=24)
+  assert next(ip.make_train_iterator(shorter, tokenizer, cache_dir=str(cache)))['inputs'].shape \
+      == (8, 24)
+  assert len(list(cache.iterdir())) == 4
+
+
+@needs_multi30k
 def test_global_batches_do_not_depend_on_process_count(small):
   """1, 2 and 4 processes give the same global batches, across a stream's epoch boundary; the
   processes' states merged by elementwise max are the 1-process state and resume anywhere."""
@@ -329,7 +367,7 @@ def test_unmappable_state_warns_and_starts_fresh_epochs(small, caplog):
 def test_streams_must_divide_batch_and_processes(small):
   config, tokenizer, _ = small
   with pytest.raises(ip.DataError, match=r'batch_size=8 .*set data.num_streams to a divisor of 8'):
-    ip.make_train_iterator(_stream_config(config, num_streams=3), tokenizer)
+    ip.make_train_iterator(_with_data(config, num_streams=3), tokenizer)
   with pytest.raises(ip.DataError, match=r'num_streams=4 .* 8 processes; set data.num_streams '
                      'to a multiple of 8'):
     ip.make_train_iterator(config, tokenizer, process_index=0, process_count=8)
