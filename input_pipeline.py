@@ -47,10 +47,12 @@ MULTI30K_ENV = 'MULTI30K_DIR'
 FEATURE_KEYS = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
                 'inputs_positions', 'targets_positions')
 READ_CHUNK_PAIRS = 8192  # Pairs per TFDS batch, and per sentencepiece call.
-# How processes other than 0 wait for what process 0 makes (a tokenizer, prepared data).
+# How processes other than 0 wait for what process 0 makes (a tokenizer, prepared data):
+# downloading and preparing WMT14 alone can take hours; a process 0 that dies meanwhile ends
+# the job through JAX's heartbeat first.
 WAIT_POLL_SECONDS = 1.0
 WAIT_LOG_SECONDS = 30.0
-WAIT_TIMEOUT_SECONDS = 3600.0
+WAIT_TIMEOUT_SECONDS = 24 * 3600.0
 
 
 class DataError(ValueError):

@@ -577,8 +577,10 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   logging.info('Mesh: %s over %d devices on %d hosts.', dict(mesh.shape), mesh.devices.size,
                jax.process_count())
   start_step = int(state['step'])
-  train_iter = input_pipeline.make_train_iterator(config, tokenizer, state=data_state,
-                                                  **processes)
+  # Tokenized streams kept in the workdir: a resume loads them instead of tokenizing again.
+  train_iter = input_pipeline.make_train_iterator(
+      config, tokenizer, state=data_state, cache_dir=os.path.join(workdir, 'data_cache'),
+      **processes)
   val_sources, val_targets = input_pipeline.read_split(config, config.data.eval_split,
                                                        **processes)
   eval_batches = [arrays for _, arrays in input_pipeline.length_batches(
