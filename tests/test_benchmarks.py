@@ -16,6 +16,7 @@ TINY = ['--steps', '2', '--repeats', '1', '--warmup', '1', '--vocab', '64', '--d
         '--peak-size', '128', '--peak-runs', '2']
 
 
+@pytest.mark.slow  # About 30 s; the benchmark's config shape is checked in the fast set below.
 def test_train_step_benchmark_writes_positive_numbers(tmp_path):
   out = tmp_path / 'step.json'
   train_step_benchmark.main(TINY + ['--json', str(out), '--breakdown'])

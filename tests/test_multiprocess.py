@@ -37,7 +37,7 @@ TRAIN_FLAGS = ('--config', 'configs/tiny.py', '--config.optimizer.learning_rate_
                '--config.checkpoint_every_steps=4',
                '--config.keep_checkpoints=100', '--config.eval.every_steps=32',
                '--config.eval.bleu_every_steps=32', '--config.eval.bleu_sentences=32')
-TWO_PROCESS_STEPS = 64
+TWO_PROCESS_STEPS = 36
 SOURCES = ['A man rides a bike down the street.', '', 'Two dogs play in the snow.',
            'A woman is reading a book in a park.', 'Children are playing soccer on a field.']
 
@@ -86,7 +86,7 @@ def eval_rows(workdir) -> dict[int, dict]:
 
 @pytest.fixture(scope='module')
 def two_process_run(tmp_path_factory):
-  """2 processes x 2 devices, 64 steps, a checkpoint every 4."""
+  """2 processes x 2 devices, 36 steps, a checkpoint every 4."""
   workdir = tmp_path_factory.mktemp('two_processes') / 'run'
   finished = train(workdir, TWO_PROCESS_STEPS)
   return workdir, finished
@@ -131,13 +131,13 @@ def test_two_processes_train_and_evaluate_like_one(tmp_path, two_process_run):
 
 
 @needs_multi30k
-def test_sigterm_to_one_process_stops_all_at_one_step_and_resumes_exactly(tmp_path,
-                                                                           two_process_run):
-  workdir = tmp_path / 'run'
+def interrupt_with_sigterm(workdir) -> int:
+  """Starts a long 2-process run, sends SIGTERM to process 1 after checkpoint 4, checks that
+  both processes stop after the same step with exit code 75; returns that step."""
   processes = cluster_launcher.Processes('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
-                                     '--config.num_train_steps=100000')
+                                         '--config.num_train_steps=100000')
   cluster_launcher.wait_for(lambda: os.path.isdir(workdir / 'checkpoints' / '4'), 300,
-                        'checkpoint 4', processes)
+                            'checkpoint 4', processes)
   processes.send(1, signal.SIGTERM)
   finished = processes.wait(timeout=600)
   assert [f.returncode for f in finished] == [75, 75], [f.stderr[-2000:] for f in finished]
@@ -146,6 +146,17 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resumes_exactly(tmp_pa
   assert len(stopped_at) == 1, stopped_at  # Every process saved the same step.
   step = stopped_at.pop()
   assert os.path.isdir(workdir / 'checkpoints' / str(step))
+  return step
+
+
+def test_sigterm_to_one_process_stops_all_after_one_step(tmp_path):
+  interrupt_with_sigterm(tmp_path / 'run')
+
+
+@pytest.mark.slow  # A third 2-process run; the fast set checks the stop, test_train.py resumes.
+def test_a_run_stopped_by_sigterm_resumes_exactly(tmp_path, two_process_run):
+  workdir = tmp_path / 'run'
+  step = interrupt_with_sigterm(workdir)
   resume_to = (step // 4 + 1) * 4  # A step the uninterrupted run saved.
   assert resume_to <= TWO_PROCESS_STEPS, f'stopped late (step {step}): a very slow machine?'
   finished = train(workdir, resume_to)
@@ -153,7 +164,6 @@ def test_sigterm_to_one_process_stops_all_at_one_step_and_resumes_exactly(tmp_pa
   assert_params_close(workdir, resume_to, two_process_run[0])
 
 
-@needs_multi30k
 @pytest.mark.slow
 def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_run):
   workdir = tmp_path / 'run'
