@@ -21,3 +21,26 @@ os.environ.setdefault('TFDS_DATA_DIR', tempfile.mkdtemp(prefix='tfds_'))
 # once per test session, into a fresh folder, and later jits load it.
 os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', tempfile.mkdtemp(prefix='jax_cache_'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
+
+
+import pytest  # noqa: E402  (after the environment above, which must precede any jax import)
+
+
+@pytest.fixture(scope='session')
+def tiny_run(tmp_path_factory) -> str:
+  """A workdir of configs/tiny.py trained 12 steps (checkpoints 4, 8, 12), shared by every
+  test of the session that decodes or exports a run: read it, never write into it."""
+  multi30k = os.environ.get('MULTI30K_DIR', '')
+  if not os.path.isfile(os.path.join(multi30k, 'train.en')):
+    pytest.skip('needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these '
+                'machines)')
+  import train
+  from configs import tiny
+  path = tmp_path_factory.mktemp('tiny_run')
+  config = tiny.get_config()
+  config.num_train_steps = 12
+  config.checkpoint_every_steps = 4
+  config.eval.every_steps = 1000
+  config.eval.bleu_sentences = 0
+  train.train_and_evaluate(config, str(path))
+  return str(path)

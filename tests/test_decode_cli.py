@@ -1,6 +1,7 @@
 """decode.py and checkpoint averaging on a tiny run trained on real Multi30k sentences."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -11,9 +12,7 @@ import sacrebleu
 
 import checkpoints
 import sharding
-import train
 import translation
-from configs import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -22,16 +21,9 @@ pytestmark = pytest.mark.skipif(
     reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
 
 
-@pytest.fixture(scope='module')
-def workdir(tmp_path_factory):
-  path = tmp_path_factory.mktemp('run')
-  config = tiny.get_config()
-  config.num_train_steps = 12
-  config.checkpoint_every_steps = 4
-  config.eval.every_steps = 1000
-  config.eval.bleu_sentences = 0
-  train.train_and_evaluate(config, str(path))
-  return str(path)
+@pytest.fixture
+def workdir(tiny_run):
+  return tiny_run
 
 
 def run_decode(*args, stdin=None):
@@ -108,7 +100,8 @@ def test_decode_errors_are_clear(workdir, tmp_path):
   assert 'Traceback' not in result.stderr.decode()
 
 
-def test_checkpoint_averaging(workdir):
+def test_checkpoint_averaging(workdir, tmp_path):
+  workdir = shutil.copytree(workdir, tmp_path / 'run')  # Averaging writes into the run.
   steps = checkpoints.saved_steps(workdir)[-2:]
   assert len(steps) == 2
   by_step = [checkpoints.load_params(workdir, step)[0] for step in steps]
