@@ -10,8 +10,9 @@ measured in BENCHMARKS.md, "Decoding":
     index instead of the cache.
   * Cross-attention keys/values are carried as [batch, heads, head_dim, src_len] behind an
     optimization barrier, so XLA does not transpose them inside every step.
-  * The loop runs in chunks of `CHUNK_LENGTH` steps over a cache grown between chunks, so
-    early steps attend over a short cache (each chunk compiles its own loop body).
+  * The loop runs in pieces over a cache grown between them, so early steps attend over a
+    short cache: `CHUNK_LENGTH` steps, then pieces twice as long (`decoding.chunk_ends`);
+    each piece compiles its own loop body.
   * `block_top_k_extensions` finds the best extensions from the maxima of vocabulary blocks.
 """
 
@@ -28,7 +29,7 @@ from model.cpu_rows import on_rows
 Array = jax.Array
 Cache = dict[str, Any]
 
-CHUNK_LENGTH = 8  # Decoding steps per loop body.
+CHUNK_LENGTH = 8  # Decoding steps of the first loop piece.
 _CARRIED = (0, 2, 3, 1)  # Cross keys/values [batch, src_len, heads, head_dim] -> carried.
 _UNCARRIED = (0, 3, 1, 2)  # And back.
 

@@ -41,6 +41,7 @@ from model.transformer import EOS_ID, PAD_ID, Transformer
 Array = jax.Array
 StepFn = Callable[[Array, Array, Any], tuple[Array, Any]]
 NEG_INF = -jnp.inf
+STOPPING_RULES = ('exact', 'finished')
 
 
 def length_penalty(length: Array, alpha: float) -> Array:
@@ -96,15 +97,26 @@ def _set_position(x: Array, step: Array, values: Array) -> Array:
   return jnp.where(jnp.arange(x.shape[-1]) == step, values[:, :, None], x)
 
 
+def chunk_ends(max_length: int, chunk_length: int) -> list[int]:
+  """Where the pieces of a chunked loop end: chunk_length, doubling, then max_length.
+
+  Each piece compiles its own loop body; doubling keeps their number logarithmic in
+  max_length, and a cache at most twice the steps decoded so far.
+  """
+  ends = [min(chunk_length, max_length)]
+  while ends[-1] < max_length:
+    ends.append(min(2 * ends[-1], max_length))
+  return ends
+
+
 def _while_loop(cond: Callable, body: Callable, state: dict[str, Any], max_length: int,
                 chunk_length: int | None, grow_cache: Callable | None) -> dict[str, Any]:
-  """`lax.while_loop(cond, body, state)`, or with `grow_cache` in pieces of `chunk_length`
-  steps: before the piece that ends at step e, grow_cache(cache, e) makes the cache hold e
-  steps (the step function then runs on caches of several lengths)."""
+  """`lax.while_loop(cond, body, state)`, or with `grow_cache` in pieces ending at
+  `chunk_ends`: before the piece that ends at step e, grow_cache(cache, e) makes the cache
+  hold e steps (the step function then runs on caches of several lengths)."""
   if grow_cache is None:
     return jax.lax.while_loop(cond, body, state)
-  chunk = chunk_length or max_length
-  for end in [*range(chunk, max_length, chunk), max_length]:
+  for end in chunk_ends(max_length, chunk_length or max_length):
     state = {**state, 'cache': grow_cache(state['cache'], end)}
     state = jax.lax.while_loop(lambda s, end=end: cond(s) & (s['step'] < end), body, state)
   return state
@@ -112,7 +124,7 @@ def _while_loop(cond: Callable, body: Callable, state: dict[str, Any], max_lengt
 
 def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
                 max_length: int, length_limits: Array | None = None, alpha: float = 0.6,
-                nbest: int = 1, force_full_length: bool = False,
+                nbest: int = 1, force_full_length: bool = False, stopping: str = 'exact',
                 reorder_cache: Callable[[Any, Array], Any] | None = None,
                 top_k_extensions: Callable[..., tuple[Array, Array]] = top_k_extensions,
                 chunk_length: int | None = None,
@@ -125,7 +137,10 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
   best beam_size others stay live. A sentence is done when no live hypothesis can beat its nbest
   finished ones (scores only fall as tokens are added, and the penalty is at most that of its
   length limit), or at its length limit. With a beam wide enough to keep every prefix live the
-  search is exhaustive, hence exact.
+  search is exhaustive, hence exact. `stopping='finished'` also ends a sentence once beam_size
+  of its hypotheses have finished (CTranslate2's and fairseq's rule): far fewer steps, since
+  with alpha > 0 the exact bound keeps a sentence going while a longer hypothesis could in
+  principle still win, at the price of sometimes missing that hypothesis.
 
   Args:
     step_fn: see the module docstring; called with tokens [batch_size, beam_size].
@@ -138,6 +153,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     alpha: length-penalty exponent (0: plain log-probability).
     nbest: number of sequences returned per sentence (<= beam_size).
     force_full_length: forbid EOS before the length limit (benchmarks).
+    stopping: 'exact' or 'finished' (see above).
     reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
       that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
       along axis 1.
@@ -151,6 +167,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
   """
   if not 1 <= nbest <= beam_size:
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
+  if stopping not in STOPPING_RULES:
+    raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
   batch, beam, length = batch_size, beam_size, max_length
   limits = _limits(length_limits, batch, length)
   reorder = reorder_cache or reorder_every_leaf
@@ -174,7 +192,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     is_eos = tokens == EOS_ID
 
     # Finished: EOS extensions ranked within the best `beam`, merged with the earlier ones.
-    newly_finished = is_eos & (jnp.arange(2 * beam) < beam)
+    newly_finished = is_eos & (jnp.arange(2 * beam) < beam) & (cand_log_probs > NEG_INF)
+    finished_count = state['finished_count'] + jnp.sum(newly_finished, axis=1, dtype=jnp.int32)
     fin_cand = jnp.where(newly_finished, cand_log_probs / length_penalty(step + 1, alpha),
                          NEG_INF)
     fin_scores, best = jax.lax.top_k(
@@ -193,9 +212,12 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     bound = alive_log_probs[:, 0] / jnp.maximum(penalty_at_limit,
                                                 length_penalty(step + 2, alpha))
     done = done | (step + 1 >= limits) | (bound <= fin_scores[:, -1])
+    if stopping == 'finished':
+      done = done | (finished_count >= beam)
     return dict(step=step + 1, tokens=tokens, log_probs=alive_log_probs,
                 seqs=gather_beams(cand_seqs, best), cache=reorder(cache, parents),
-                fin_seqs=fin_seqs, fin_scores=fin_scores, done=done)
+                fin_seqs=fin_seqs, fin_scores=fin_scores, finished_count=finished_count,
+                done=done)
 
   # Step 0: all beams hold the same empty prefix; only beam 0 may extend it.
   init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF)
@@ -207,6 +229,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
       cache=cache,
       fin_seqs=jnp.zeros((batch, nbest, length), jnp.int32),
       fin_scores=jnp.full((batch, nbest), NEG_INF, jnp.float32),
+      finished_count=jnp.zeros((batch,), jnp.int32),
       done=jnp.zeros((batch,), bool))
   state = _while_loop(cond, body, state, length, chunk_length, grow_cache)
   return state['fin_seqs'], state['fin_scores']
@@ -340,8 +363,10 @@ def transformer_search_setup(model: Transformer, params: Any, inputs: Array, wid
     raise ValueError(f'max_length={max_length} output tokens exceed the positional table '
                      f'(TransformerConfig.max_len={config.max_len}).')
   source_lengths = jnp.sum(inputs != PAD_ID, axis=1, dtype=jnp.int32)
+  # An empty source (a batch's padding row) gives EOS at once instead of running with the rest.
+  limits = jnp.where(source_lengths > 0, source_lengths + max_extra_length, 1)
   settings = dict(batch_size=inputs.shape[0], max_length=max_length,
-                  length_limits=jnp.minimum(source_lengths + max_extra_length, max_length))
+                  length_limits=jnp.minimum(limits, max_length))
   variables = {'params': params}
   cpu_tuned = config.use_cpu_tuned
   cache_length = min(cpu_decoding.CHUNK_LENGTH, max_length) if cpu_tuned else max_length
@@ -368,18 +393,19 @@ def transformer_search_setup(model: Transformer, params: Any, inputs: Array, wid
 def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
                             beam_size: int = 4, alpha: float = 0.6,
                             max_length: int | None = None, max_extra_length: int = 50,
-                            nbest: int = 1, force_full_length: bool = False
-                            ) -> tuple[Array, Array]:
+                            nbest: int = 1, force_full_length: bool = False,
+                            stopping: str = 'exact') -> tuple[Array, Array]:
   """`beam_search` over a Transformer's translations of `inputs` [batch, src_len] (0-padded).
 
   max_length: static output length; default min(src_len + max_extra_length, config.max_len).
-  Sentence i produces at most min(source_length_i + max_extra_length, max_length) tokens.
+  Sentence i produces at most min(source_length_i + max_extra_length, max_length) tokens; an
+  all-padding row gives EOS alone. stopping: see `beam_search`.
   Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32.
   """
   step_fn, cache, settings = transformer_search_setup(
       model, params, inputs, beam_size, max_length, max_extra_length, beam=True)
   return beam_search(step_fn, cache, beam_size=beam_size, alpha=alpha, nbest=nbest,
-                     force_full_length=force_full_length, **settings)
+                     force_full_length=force_full_length, stopping=stopping, **settings)
 
 
 def transformer_greedy_search(model: Transformer, params: Any, inputs: Array, *,

@@ -383,10 +383,67 @@ def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
   inputs = medium[2]
   model, params = make_model(20, seed=seed, scale=1.0, eos_bias=2.0, cpu_tuned=True)
   default = Transformer(dataclasses.replace(model.config, cpu_tuned=False))
-  for fn, settings in [(transformer_beam_search, dict(beam_size=4, nbest=2, max_length=16)),
-                       (transformer_greedy_search, dict(max_length=16))]:
+  # max_length 40: four loop pieces on the CPU path (chunk_ends), the last a partial one.
+  for fn, settings in [(transformer_beam_search, dict(beam_size=4, nbest=2, max_length=40)),
+                       (transformer_greedy_search, dict(max_length=40))]:
     cpu_seqs, cpu_scores = jitted(fn, model, **settings)(params, inputs)
     seqs, scores = jitted(fn, default, **settings)(params, inputs)
     np.testing.assert_array_equal(np.asarray(cpu_seqs), np.asarray(seqs))
     np.testing.assert_allclose(np.asarray(cpu_scores), np.asarray(scores), rtol=1e-5, atol=1e-5)
   assert len(set(output_lengths(np.asarray(seqs)))) > 1
+
+
+def test_chunk_ends_double_up_to_the_buffer_length():
+  assert decoding.chunk_ends(66, 8) == [8, 16, 32, 64, 66]
+  assert decoding.chunk_ends(64, 8) == [8, 16, 32, 64]
+  assert decoding.chunk_ends(5, 8) == [5]
+
+
+def _bigram_step(table):
+  log_probs = jnp.log(jnp.asarray(table, jnp.float32))
+  return lambda tokens, step, cache: (log_probs[tokens], cache)
+
+
+def test_stopping_finished_ends_a_sentence_once_beam_size_hypotheses_have_finished():
+  """A bigram model where EOS is likely early but a long chain of 'c' (token 4) scores best
+  under a strong length penalty (alpha 2): the exact search finds the long output; the
+  'finished' rule stops at step 1, when the first beam_size (2) hypotheses have finished,
+  and returns the best of them."""
+  pad, eos, a, b, c = range(5)
+  table = np.full((5, 5), 1e-6)
+  table[pad] = [1e-6, 0.5, 0.3, 0.2, 1e-6]  # Start: EOS, 'a' or 'b'.
+  table[a] = [1e-6, 0.9, 1e-6, 1e-6, 0.1]  # 'a': EOS, or the start of a chain of 'c'.
+  table[b] = [1e-6, 0.9, 1e-6, 0.1, 1e-6]
+  table[c] = [1e-6, 0.01, 1e-6, 1e-6, 0.99]
+  table /= table.sum(axis=1, keepdims=True)
+  step_fn, alpha, length = _bigram_step(table), 2.0, 20
+
+  def search(stopping):
+    return jax.jit(lambda: beam_search(step_fn, jnp.zeros((1, 2)), batch_size=1, beam_size=2,
+                                       max_length=length, alpha=alpha, nbest=2,
+                                       stopping=stopping))()
+
+  exact_seqs, exact_scores = map(np.asarray, search('exact'))
+  seqs, scores = map(np.asarray, search('finished'))
+  log = np.log(table)
+  # Finished by step 1: EOS (step 0), then 'a EOS' and 'b EOS' (step 1): the best two.
+  candidates = {(eos,): log[pad, eos] / float(length_penalty(1, alpha)),
+                (a, eos): (log[pad, a] + log[a, eos]) / float(length_penalty(2, alpha)),
+                (b, eos): (log[pad, b] + log[b, eos]) / float(length_penalty(2, alpha))}
+  best = sorted(candidates, key=candidates.get, reverse=True)[:2]
+  for row, expected in zip(seqs[0], best):
+    np.testing.assert_array_equal(row, list(expected) + [0] * (length - len(expected)))
+  np.testing.assert_allclose(scores[0], [candidates[k] for k in best], rtol=1e-5)
+  # The exact search goes on and finds a longer output with a better penalised score.
+  assert output_lengths(exact_seqs[0, 0]) > 3 and exact_scores[0, 0] > scores[0, 0] + 0.1
+
+
+def test_an_all_padding_row_gives_eos_at_once_and_changes_no_other_row(medium):
+  model, params, inputs = medium
+  padded = np.concatenate([inputs, np.zeros_like(inputs[:1])])
+  search = jitted(transformer_beam_search, model, beam_size=4, nbest=2, max_length=16)
+  seqs, scores = map(np.asarray, search(params, inputs))
+  padded_seqs, padded_scores = map(np.asarray, search(params, padded))
+  np.testing.assert_array_equal(padded_seqs[:-1], seqs)
+  np.testing.assert_allclose(padded_scores[:-1], scores, rtol=1e-6)
+  np.testing.assert_array_equal(padded_seqs[-1, 0], [EOS_ID] + [0] * 15)
