@@ -2,11 +2,14 @@
 
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
+      [--stopping exact|finished] \
       [--checkpoint STEP | --checkpoint averaged | --average_last N]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
-`-` reads stdin / writes stdout. Every input line gives exactly one output line (an empty
-line gives an empty line); with --nbest N > 1 each line holds N tab-separated translations.
+`-` reads stdin / writes stdout; from a pipe or a terminal each line is translated as soon as
+it arrives and its translation flushed (`python decode.py --workdir RUN --input -` is an
+interactive translator). Every input line gives exactly one output line (an empty line gives
+an empty line); with --nbest N > 1 each line holds N tab-separated translations.
 Runs on whatever devices this machine has, whatever the run was trained on; with
 --distributed, on every device of several processes (as train.py), process 0 writing the
 output and the scores.
@@ -15,6 +18,7 @@ output and the scores.
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 from typing import Any
@@ -34,38 +38,61 @@ FLAGS = flags.FLAGS
 def decode(workdir: str, *, input_path: str | None = None, split: str | None = None,
            output: str = '-', reference: str | None = None, beam_size: int | None = None,
            alpha: float | None = None, nbest: int = 1, batch_tokens: int | None = None,
-           checkpoint: str | None = None, average_last: int = 0) -> dict[str, Any] | None:
-  """Translates --input or --split, writes the translations, returns the scores (if any)."""
+           stopping: str | None = None, checkpoint: str | None = None,
+           average_last: int = 0) -> dict[str, Any] | None:
+  """Translates --input or --split, writes the translations, returns the scores (if any).
+
+  Input from a pipe or a terminal is translated as it arrives, each output line flushed.
+  """
   config, tokenizer, model = translation.load_run(workdir)
+  streaming = split is None and input_path == '-' and not stat.S_ISREG(
+      os.fstat(sys.stdin.fileno()).st_mode)
   if split:
     sources, references = input_pipeline.read_split(
         config, split, process_index=jax.process_index(), process_count=jax.process_count())
   else:
-    sources = input_pipeline.read_lines(input_path)
+    sources = None if streaming else input_pipeline.read_lines(input_path)
     references = input_pipeline.read_lines(reference) if reference else None
-  if references is not None and len(references) != len(sources):
+  if sources is not None and references is not None and len(references) != len(sources):
     raise ValueError(f'{len(sources)} source lines but {len(references)} reference lines.')
   mesh = sharding.make_mesh()
   translator = translation.Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size,
-                                      alpha=alpha, nbest=nbest, batch_tokens=batch_tokens)
+                                      alpha=alpha, nbest=nbest, batch_tokens=batch_tokens,
+                                      stopping=stopping)
   params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
-  logging.info('Translating %d sentences with %s (beam %d) on %d devices.', len(sources),
-               origin, translator.beam_size, mesh.devices.size)
-  start = time.time()
-  translations = translator(params, sources, progress=True)
-  elapsed = time.time() - start
-  logging.info('Translated %d sentences in %.1f s (%.1f sentences/s).', len(sources), elapsed,
-               len(sources) / max(elapsed, 1e-9))
-  text = ''.join(output_line(t if nbest > 1 else [t]) + '\n' for t in translations)
   writes = jax.process_index() == 0  # Every process holds every translation; one writes.
-  if writes and output == '-':
-    sys.stdout.write(text)
-    sys.stdout.flush()
-  elif writes:
-    with open(output, 'w', encoding='utf-8') as f:
-      f.write(text)
+  out = (sys.stdout if output == '-' else open(output, 'w', encoding='utf-8')) if writes else None
+  translations = []
+  try:
+    if streaming:
+      if jax.process_count() > 1:
+        raise ValueError('--distributed translates files or splits, not a stream on stdin.')
+      logging.info('Translating stdin line by line with %s (beam %d).', origin,
+                   translator.beam_size)
+      for chunk in input_pipeline.stream_lines(sys.stdin.fileno()):
+        chunk_translations = translator(params, chunk)
+        out.write(''.join(output_line(t if nbest > 1 else [t]) + '\n'
+                          for t in chunk_translations))
+        out.flush()
+        translations.extend(chunk_translations)
+    else:
+      logging.info('Translating %d sentences with %s (beam %d) on %d devices.', len(sources),
+                   origin, translator.beam_size, mesh.devices.size)
+      start = time.time()
+      translations = translator(params, sources, progress=True)
+      elapsed = time.time() - start
+      logging.info('Translated %d sentences in %.1f s (%.1f sentences/s).', len(sources),
+                   elapsed, len(sources) / max(elapsed, 1e-9))
+      if writes:
+        out.write(''.join(output_line(t if nbest > 1 else [t]) + '\n' for t in translations))
+        out.flush()
+  finally:
+    if out is not None and out is not sys.stdout:
+      out.close()
   if references is None:
     return None
+  if len(references) != len(translations):
+    raise ValueError(f'{len(translations)} source lines but {len(references)} reference lines.')
   best = translations if nbest == 1 else [t[0] for t in translations]
   scores = translation.score(best, references)
   if writes:
@@ -96,6 +123,9 @@ def define_flags():
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the run config).')
   flags.DEFINE_integer('nbest', 1, 'Translations per sentence (<= beam size).', lower_bound=1)
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
+  flags.DEFINE_enum('stopping', None, ['exact', 'finished'],
+                    "When a sentence's search ends (default: the run config): 'exact' once no "
+                    "live hypothesis can win, 'finished' also once beam_size have finished.")
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
   sharding.define_distributed_flags()
@@ -113,12 +143,14 @@ def main(argv):
     sys.exit(f'error: --output {FLAGS.output}: its folder does not exist.')
   console.quiet_libraries()
   sharding.initialize_distributed_from_flags()
+  translation.use_compilation_cache(FLAGS.workdir)
   if jax.process_index() != 0:
     logging.set_verbosity(logging.WARNING)
   try:
     decode(FLAGS.workdir, input_path=FLAGS.input, split=FLAGS.split, output=FLAGS.output,
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
-           nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, checkpoint=FLAGS.checkpoint,
+           nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, stopping=FLAGS.stopping,
+           checkpoint=FLAGS.checkpoint,
            average_last=FLAGS.average_last)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')

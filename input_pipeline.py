@@ -28,6 +28,7 @@ import hashlib
 import io
 import itertools
 import os
+import select
 import shutil
 import socket
 import sys
@@ -76,16 +77,54 @@ def read_lines(path: str | os.PathLike) -> list[str]:
   else:
     with open(path, 'rb') as f:
       data = f.read()
-  try:
-    text = data.decode('utf-8')
-  except UnicodeDecodeError as e:
-    line = data.count(b'\n', 0, e.start) + 1
-    raise DataError(f'{path}:{line}: invalid UTF-8 ({e.reason} at byte {e.start}); '
-                    'convert the file to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8`.') from None
-  lines = text.split('\n')
-  if lines and lines[-1] == '':
+  lines = data.split(b'\n')
+  if lines and lines[-1] == b'':
     lines.pop()  # Trailing newline of the last line.
-  return [line.rstrip('\r') for line in lines]
+  return _text_lines(lines, path, 1)
+
+
+def _text_lines(lines: list[bytes], name: str, first_line: int) -> list[str]:
+  """UTF-8 lines without line endings; an error names the file and the line."""
+  try:
+    return [line.decode('utf-8').rstrip('\r') for line in lines]
+  except UnicodeDecodeError as e:
+    line = first_line + next(i for i, x in enumerate(lines) if not _is_utf8(x))
+    raise DataError(f'{name}:{line}: invalid UTF-8 ({e.reason}); convert the file to UTF-8, '
+                    'e.g. `iconv -f LATIN1 -t UTF-8`.') from None
+
+
+def _is_utf8(data: bytes) -> bool:
+  try:
+    data.decode('utf-8')
+    return True
+  except UnicodeDecodeError:
+    return False
+
+
+def stream_lines(fd: int, max_lines: int = 1024, name: str = 'stdin') -> Iterator[list[str]]:
+  """Lines of a pipe or terminal as they arrive, for interactive translation.
+
+  Each chunk holds at least one line: it waits for the first, then takes the complete lines
+  already readable without waiting (at most `max_lines`). A last line without a newline
+  counts. Errors name the line, as `read_lines`.
+  """
+  pending, line_number, ended = b'', 1, False
+  while not ended:
+    lines: list[bytes] = []
+    while len(lines) < max_lines:
+      if lines and not select.select([fd], [], [], 0)[0]:
+        break  # Nothing more right now: translate what has arrived.
+      data = os.read(fd, 1 << 16)
+      if not data:
+        ended = True
+        if pending:
+          lines.append(pending)
+        break
+      *complete, pending = (pending + data).split(b'\n')
+      lines.extend(complete)
+    if lines:
+      yield _text_lines(lines, name, line_number)
+      line_number += len(lines)
 
 
 def read_parallel_files(folder: str, split: str, langs: Sequence[str]) -> dict[str, list[str]]:

@@ -752,6 +752,7 @@ def main(argv):
     sys.exit('error: --workdir is required.')
   console.quiet_libraries()
   sharding.initialize_distributed_from_flags()
+  translation.use_compilation_cache(FLAGS.workdir)
   if jax.process_index() != 0:  # One host speaks for the run; the others only warn.
     logging.set_verbosity(logging.WARNING)
   try:

@@ -25,6 +25,7 @@ import input_pipeline
 import sharding
 from configs import multi30k
 from model import Transformer, TransformerConfig, transformer_beam_search, upgrade_params
+from model.decoding import STOPPING_RULES
 
 # config.json of runs written before the config had groups: old key -> (group, key).
 _LEGACY_KEYS = {
@@ -87,6 +88,16 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, input_pipeline.To
   return config, tokenizer, Transformer(TransformerConfig(**config.model))
 
 
+def use_compilation_cache(workdir: str) -> None:
+  """Keeps XLA's compiled programs in WORKDIR/compilation_cache: a resumed run, and every
+  decode.py call after the first, load them instead of compiling again.
+
+  A cache folder set before (JAX_COMPILATION_CACHE_DIR) is kept.
+  """
+  if not jax.config.jax_compilation_cache_dir:
+    jax.config.update('jax_compilation_cache_dir', os.path.join(workdir, 'compilation_cache'))
+
+
 def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
                 average: int = 0) -> tuple[Any, str]:
   """The run's parameters replicated over `mesh`, and where they came from (see checkpoints).
@@ -108,7 +119,7 @@ class Translator:
   def __init__(self, model: Transformer, tokenizer: input_pipeline.Tokenizer,
                decode_config: ml_collections.ConfigDict, mesh: Mesh, *,
                beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
-               batch_tokens: int | None = None):
+               batch_tokens: int | None = None, stopping: str | None = None):
     self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
     self.beam_size = beam_size or decode_config.beam_size
     self.alpha = decode_config.alpha if alpha is None else alpha
@@ -120,6 +131,10 @@ class Translator:
     self.nbest = nbest
     self.batch_tokens = batch_tokens or decode_config.batch_tokens
     self.max_extra_length = decode_config.max_extra_length
+    # Runs configured before `stopping` existed keep the exact search they were tuned with.
+    self.stopping = stopping or decode_config.get('stopping', 'exact')
+    if self.stopping not in STOPPING_RULES:
+      raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {self.stopping!r}.')
     self.max_length = min(decode_config.max_length, model.config.max_len)
     self.traces = 0  # How many times the search was traced (once per length bucket).
     self._rows = sharding.rows(mesh)
@@ -128,7 +143,8 @@ class Translator:
       self.traces += 1
       return transformer_beam_search(
           model, params, inputs, beam_size=self.beam_size, alpha=self.alpha,
-          max_length=max_length, max_extra_length=self.max_extra_length, nbest=nbest)
+          max_length=max_length, max_extra_length=self.max_extra_length, nbest=nbest,
+          stopping=self.stopping)
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))

@@ -1,6 +1,7 @@
 """decode.py and checkpoint averaging on a tiny run trained on real Multi30k sentences."""
 
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -144,3 +145,28 @@ def test_nbest_above_the_beam_and_a_beam_above_the_vocabulary_are_one_clear_erro
   result = run_decode('--workdir', workdir, '--input', '-', *flags, stdin=b'A dog.\n')
   stderr = result.stderr.decode()
   assert result.returncode != 0 and message in stderr and 'Traceback' not in stderr, stderr
+
+
+def test_stdin_from_a_pipe_is_translated_line_by_line_as_it_arrives(workdir):
+  """Each translation comes out before the next line is written, the pipe still open."""
+  lines = ['A dog runs in the snow.', '', 'Two men are playing football on a green field.']
+  process = subprocess.Popen([sys.executable, 'decode.py', '--workdir', workdir, '--input', '-'],
+                             cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+  outputs = []
+  try:
+    for line in lines:
+      process.stdin.write(line.encode() + b'\n')
+      process.stdin.flush()
+      ready, _, _ = select.select([process.stdout], [], [], 300)
+      assert ready, 'no translation within 300 s of writing a line'
+      outputs.append(process.stdout.readline().decode().rstrip('\n'))
+    process.stdin.close()
+    assert process.wait(timeout=120) == 0, process.stderr.read().decode()[-3000:]
+  finally:
+    process.kill()
+  config, tokenizer, model = translation.load_run(workdir)
+  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = translation.load_params(workdir, translator.mesh)
+  assert outputs == translator(params, lines)
+  assert outputs[1] == ''
