@@ -38,7 +38,6 @@ from typing import Any
 
 import numpy as np
 import sentencepiece as spm
-import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
@@ -378,6 +377,7 @@ def _record_spec(builder: tfds.core.DatasetBuilder, config) -> dict[str, Any] | 
   They can when they are TFRecord files of tf.train.Example whose language features are
   scalar strings (as TFDS writes Text features).
   """
+  import tensorflow as tf  # Imported where data is read: translating text needs none of it.
   if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
     return None
   if not tf.io.gfile.glob(os.path.join(builder.data_dir, '*.tfrecord*')):
@@ -400,6 +400,7 @@ def _instruction_chunks(config, spec: dict[str, Any],
   (TFDS's own reader parses them one at a time, which costs most of its time); adjacent ranges
   of a file are read as one, so each file is scanned once.
   """
+  import tensorflow as tf
   ranges = []  # [filename, skip, take]
   for fi in instructions:
     if ranges and ranges[-1][0] == fi.filename and sum(ranges[-1][1:]) == fi.skip:
