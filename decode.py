@@ -2,7 +2,7 @@
 
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
-      [--stopping exact|finished] \
+      [--stopping exact|early] \
       [--checkpoint STEP | --checkpoint averaged | --average_last N]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
@@ -123,9 +123,9 @@ def define_flags():
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the run config).')
   flags.DEFINE_integer('nbest', 1, 'Translations per sentence (<= beam size).', lower_bound=1)
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
-  flags.DEFINE_enum('stopping', None, ['exact', 'finished'],
+  flags.DEFINE_enum('stopping', None, ['exact', 'early'],
                     "When a sentence's search ends (default: the run config): 'exact' once no "
-                    "live hypothesis can win, 'finished' also once beam_size have finished.")
+                    "live hypothesis can win, 'early' once none would by ending next step.")
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
   sharding.define_distributed_flags()

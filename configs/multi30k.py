@@ -93,9 +93,9 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.decode.beam_size = 4
   config.decode.alpha = 0.6  # Length-penalty exponent.
   config.decode.max_extra_length = 50  # Output length <= source length + this.
-  # 'finished': a sentence ends once beam_size hypotheses have (CTranslate2's rule, far fewer
-  # steps); 'exact': once no live hypothesis can beat the finished ones.
-  config.decode.stopping = 'finished'
+  # 'early': a sentence ends once no live hypothesis would beat its finished ones by ending at
+  # the next step (CTranslate2's rule, far fewer steps); 'exact': not even at its length limit.
+  config.decode.stopping = 'early'
   config.decode.max_length = 256  # And <= this.
   config.decode.batch_tokens = 4096  # Source tokens per batch.
 

@@ -41,7 +41,7 @@ from model.transformer import EOS_ID, PAD_ID, Transformer
 Array = jax.Array
 StepFn = Callable[[Array, Array, Any], tuple[Array, Any]]
 NEG_INF = -jnp.inf
-STOPPING_RULES = ('exact', 'finished')
+STOPPING_RULES = ('exact', 'early')
 
 
 def length_penalty(length: Array, alpha: float) -> Array:
@@ -137,10 +137,11 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
   best beam_size others stay live. A sentence is done when no live hypothesis can beat its nbest
   finished ones (scores only fall as tokens are added, and the penalty is at most that of its
   length limit), or at its length limit. With a beam wide enough to keep every prefix live the
-  search is exhaustive, hence exact. `stopping='finished'` also ends a sentence once beam_size
-  of its hypotheses have finished (CTranslate2's and fairseq's rule): far fewer steps, since
-  with alpha > 0 the exact bound keeps a sentence going while a longer hypothesis could in
-  principle still win, at the price of sometimes missing that hypothesis.
+  search is exhaustive, hence exact. `stopping='early'` bounds the live hypotheses by their
+  score if they ended at the next step instead of at the length limit (CTranslate2's rule, which
+  stops once the best candidate of a step has finished): the same result for alpha 0, and far
+  fewer steps for alpha > 0, where the exact bound keeps a sentence going as long as a longer
+  hypothesis could in principle still win through the length penalty.
 
   Args:
     step_fn: see the module docstring; called with tokens [batch_size, beam_size].
@@ -153,7 +154,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     alpha: length-penalty exponent (0: plain log-probability).
     nbest: number of sequences returned per sentence (<= beam_size).
     force_full_length: forbid EOS before the length limit (benchmarks).
-    stopping: 'exact' or 'finished' (see above).
+    stopping: 'exact' or 'early' (see above).
     reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
       that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
       along axis 1.
@@ -192,8 +193,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     is_eos = tokens == EOS_ID
 
     # Finished: EOS extensions ranked within the best `beam`, merged with the earlier ones.
-    newly_finished = is_eos & (jnp.arange(2 * beam) < beam) & (cand_log_probs > NEG_INF)
-    finished_count = state['finished_count'] + jnp.sum(newly_finished, axis=1, dtype=jnp.int32)
+    newly_finished = is_eos & (jnp.arange(2 * beam) < beam)
     fin_cand = jnp.where(newly_finished, cand_log_probs / length_penalty(step + 1, alpha),
                          NEG_INF)
     fin_scores, best = jax.lax.top_k(
@@ -209,15 +209,14 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     parents = jnp.take_along_axis(parents, best, axis=1)  # [batch, beam]
     tokens = jnp.take_along_axis(tokens, best, axis=1)
 
-    bound = alive_log_probs[:, 0] / jnp.maximum(penalty_at_limit,
-                                                length_penalty(step + 2, alpha))
+    penalty_ahead = length_penalty(step + 2, alpha)
+    if stopping == 'exact':
+      penalty_ahead = jnp.maximum(penalty_at_limit, penalty_ahead)
+    bound = alive_log_probs[:, 0] / penalty_ahead
     done = done | (step + 1 >= limits) | (bound <= fin_scores[:, -1])
-    if stopping == 'finished':
-      done = done | (finished_count >= beam)
     return dict(step=step + 1, tokens=tokens, log_probs=alive_log_probs,
                 seqs=gather_beams(cand_seqs, best), cache=reorder(cache, parents),
-                fin_seqs=fin_seqs, fin_scores=fin_scores, finished_count=finished_count,
-                done=done)
+                fin_seqs=fin_seqs, fin_scores=fin_scores, done=done)
 
   # Step 0: all beams hold the same empty prefix; only beam 0 may extend it.
   init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF)
@@ -229,7 +228,6 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
       cache=cache,
       fin_seqs=jnp.zeros((batch, nbest, length), jnp.int32),
       fin_scores=jnp.full((batch, nbest), NEG_INF, jnp.float32),
-      finished_count=jnp.zeros((batch,), jnp.int32),
       done=jnp.zeros((batch,), bool))
   state = _while_loop(cond, body, state, length, chunk_length, grow_cache)
   return state['fin_seqs'], state['fin_scores']

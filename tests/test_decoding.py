@@ -404,11 +404,11 @@ def _bigram_step(table):
   return lambda tokens, step, cache: (log_probs[tokens], cache)
 
 
-def test_stopping_finished_ends_a_sentence_once_beam_size_hypotheses_have_finished():
-  """A bigram model where EOS is likely early but a long chain of 'c' (token 4) scores best
-  under a strong length penalty (alpha 2): the exact search finds the long output; the
-  'finished' rule stops at step 1, when the first beam_size (2) hypotheses have finished,
-  and returns the best of them."""
+def test_early_stopping_bounds_live_hypotheses_at_the_next_step_not_the_limit():
+  """A bigram model where EOS is likely first but a long chain of 'c' (token 4) scores best
+  under a strong length penalty (alpha 2). At step 0 the finished 'EOS' (log 0.5 / 1) beats
+  the best live 'a' ended at the next step (log 0.3 / ((5 + 2) / 6) ** 2): the early rule
+  stops there; the exact search goes on and finds the long output."""
   pad, eos, a, b, c = range(5)
   table = np.full((5, 5), 1e-6)
   table[pad] = [1e-6, 0.5, 0.3, 0.2, 1e-6]  # Start: EOS, 'a' or 'b'.
@@ -419,23 +419,26 @@ def test_stopping_finished_ends_a_sentence_once_beam_size_hypotheses_have_finish
   step_fn, alpha, length = _bigram_step(table), 2.0, 20
 
   def search(stopping):
-    return jax.jit(lambda: beam_search(step_fn, jnp.zeros((1, 2)), batch_size=1, beam_size=2,
-                                       max_length=length, alpha=alpha, nbest=2,
-                                       stopping=stopping))()
+    return map(np.asarray, jax.jit(lambda: beam_search(
+        step_fn, jnp.zeros((1, 2)), batch_size=1, beam_size=2, max_length=length, alpha=alpha,
+        stopping=stopping))())
 
-  exact_seqs, exact_scores = map(np.asarray, search('exact'))
-  seqs, scores = map(np.asarray, search('finished'))
-  log = np.log(table)
-  # Finished by step 1: EOS (step 0), then 'a EOS' and 'b EOS' (step 1): the best two.
-  candidates = {(eos,): log[pad, eos] / float(length_penalty(1, alpha)),
-                (a, eos): (log[pad, a] + log[a, eos]) / float(length_penalty(2, alpha)),
-                (b, eos): (log[pad, b] + log[b, eos]) / float(length_penalty(2, alpha))}
-  best = sorted(candidates, key=candidates.get, reverse=True)[:2]
-  for row, expected in zip(seqs[0], best):
-    np.testing.assert_array_equal(row, list(expected) + [0] * (length - len(expected)))
-  np.testing.assert_allclose(scores[0], [candidates[k] for k in best], rtol=1e-5)
-  # The exact search goes on and finds a longer output with a better penalised score.
+  seqs, scores = search('early')
+  np.testing.assert_array_equal(seqs[0, 0], [eos] + [0] * (length - 1))
+  np.testing.assert_allclose(scores[0, 0], np.log(table[pad, eos]), rtol=1e-5)
+  exact_seqs, exact_scores = search('exact')
   assert output_lengths(exact_seqs[0, 0]) > 3 and exact_scores[0, 0] > scores[0, 0] + 0.1
+
+
+def test_early_stopping_is_exact_without_a_length_penalty(medium):
+  model, params, inputs = medium
+  results = [jitted(transformer_beam_search, model, beam_size=3, nbest=2, alpha=0.0,
+                    max_length=24, stopping=stopping)(params, inputs)
+             for stopping in ('exact', 'early')]
+  (exact_seqs, exact_scores), (seqs, scores) = jax.device_get(results)
+  np.testing.assert_array_equal(seqs, exact_seqs)
+  np.testing.assert_allclose(scores, exact_scores, rtol=1e-6)
+  assert len(set(output_lengths(seqs[:, 0]))) > 2
 
 
 def test_an_all_padding_row_gives_eos_at_once_and_changes_no_other_row(medium):
