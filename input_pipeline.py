@@ -486,6 +486,10 @@ class Tokenizer:
     tokens = np.fromiter(itertools.chain.from_iterable(ids), self.token_dtype, int(lengths.sum()))
     return tokens, lengths
 
+  def pieces(self) -> list[str]:
+    """The vocabulary's pieces in id order."""
+    return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
+
   def decode(self, ids) -> str:
     """One sequence [len]: stops at the first EOS, ignores PAD."""
     out = []

@@ -1,0 +1,139 @@
+"""export.py --format ctranslate2: CTranslate2 scores and translates as our model does."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import jax
+import numpy as np
+import pytest
+from test_train import _setup, small_config
+
+import export
+import input_pipeline
+import sharding
+import translation
+from model import EOS_ID, Transformer, TransformerConfig, transformer_beam_search
+
+ctranslate2 = pytest.importorskip(
+    'ctranslate2', reason="needs the ctranslate2 extra: pip install -e '.[ctranslate2]'")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def val_sentences(count):
+  folder = os.environ['MULTI30K_DIR']
+  read = lambda lang: input_pipeline.read_lines(os.path.join(folder, f'val.{lang}'))[:count]
+  return read('en'), read('de')
+
+
+@pytest.fixture(scope='module')
+def converted(tiny_run, tmp_path_factory):
+  """The tiny run's newest checkpoint as a CTranslate2 folder, and the run loaded here."""
+  folder = str(tmp_path_factory.mktemp('ct2'))
+  export.export(tiny_run, folder, format='ctranslate2')
+  config, tokenizer, model = translation.load_run(tiny_run)
+  mesh = sharding.make_mesh()
+  params, _ = translation.load_params(tiny_run, mesh)
+  return folder, config, tokenizer, model, params, mesh
+
+
+def pieces(tokenizer, texts):
+  return [tokenizer._sp.encode(text, out_type=str) for text in texts]
+
+
+def test_teacher_forced_log_probabilities_equal_ours(converted):
+  folder, _, tokenizer, model, params, _ = converted
+  sources, targets = val_sentences(12)
+  scored = ctranslate2.Translator(folder, intra_threads=1).score_batch(
+      pieces(tokenizer, sources), pieces(tokenizer, targets))
+  (order, arrays), = input_pipeline.length_batches(
+      {'inputs': tokenizer.encode(sources), 'targets': tokenizer.encode(targets)}, 1 << 20)
+  logits = model.apply({'params': params}, arrays['inputs'], arrays['targets'])
+  ours = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                            arrays['targets'][..., None], axis=-1)[..., 0]
+  for row, i in enumerate(order):
+    theirs = np.asarray(scored[i].log_probs)  # Every target token and the EOS.
+    assert len(theirs) == len(tokenizer.encode([targets[i]])[0])
+    np.testing.assert_allclose(theirs, ours[row, :len(theirs)], atol=1e-4)
+
+
+@pytest.fixture(scope='module')
+def copy_model():
+  """A model trained 150 steps on copying 3-7 random tokens: its outputs end by themselves,
+  at varied lengths, and are right only in part (a 12-step Multi30k run repeats one token up
+  to the length limit, where the two searches' limits count differently)."""
+  config = small_config({'model.d_model': 64, 'model.d_ff': 128, 'model.num_heads': 4,
+                         'optimizer.warmup_steps': 50, 'optimizer.learning_rate_scale': 0.5,
+                         'optimizer.label_smoothing': 0.0})
+  state, step_fn, batch_sharding = _setup(config, jax.devices()[:1], vocab=16)
+  rng = np.random.default_rng(0)
+  for _ in range(150):
+    tokens = copy_sources(rng, 32)
+    segments = (tokens > 0).astype(np.int32)
+    positions = np.broadcast_to(np.arange(8, dtype=np.int32), tokens.shape)
+    batch = {'inputs': tokens, 'targets': tokens, 'inputs_segmentation': segments,
+             'targets_segmentation': segments, 'inputs_positions': positions,
+             'targets_positions': positions}
+    state, _ = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
+  model = Transformer(TransformerConfig(**config.model))
+  return model, jax.device_get(state['params'])
+
+
+def copy_sources(rng, count):
+  """[count, 8]: 3-7 random tokens in [3, 16), EOS, then padding."""
+  lengths = rng.integers(3, 8, count)
+  tokens = rng.integers(3, 16, (count, 8)).astype(np.int32)
+  tokens = np.where(np.arange(8) < lengths[:, None], tokens, 0)
+  tokens[np.arange(count), lengths] = EOS_ID
+  return tokens
+
+
+def test_beam_search_translations_equal_ours(copy_model):
+  """alpha 0 on both sides: CTranslate2's length penalty (length ** alpha) is not GNMT's."""
+  model, params = copy_model
+  pieces = ['<pad>', '</s>', '<unk>'] + [f'w{i}' for i in range(3, 16)]
+  folder = tempfile.mkdtemp(prefix='ct2_copy_')
+  export.ctranslate2_spec(model.config, params, pieces).save(folder)
+  inputs = copy_sources(np.random.default_rng(7), 64)
+  sequences, _ = transformer_beam_search(model, params, inputs, beam_size=4, alpha=0.0,
+                                         max_extra_length=20, stopping='exact')
+  ours = [[pieces[t] for t in row[:list(row).index(EOS_ID)]]
+          for row in np.asarray(sequences)[:, 0]]
+  sources = [[pieces[t] for t in row if t > EOS_ID] for row in inputs]
+  results = ctranslate2.Translator(folder, intra_threads=1).translate_batch(
+      sources, beam_size=4, length_penalty=0.0, max_decoding_length=20)
+  assert [result.hypotheses[0] for result in results] == ours
+  copied = sum(out == src for out, src in zip(ours, sources))
+  assert len({len(x) for x in ours}) >= 4 and 0 < copied < len(ours), copied
+
+
+def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(tiny_run, tmp_path):
+  folder = tmp_path / 'int8'
+  result = subprocess.run(
+      [sys.executable, 'export.py', '--workdir', tiny_run, '--format', 'ctranslate2',
+       '--quantization', 'int8', '--output', str(folder)], cwd=REPO, capture_output=True,
+      timeout=300)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert sorted(os.listdir(folder)) == ['config.json', 'model.bin', 'shared_vocabulary.json',
+                                        'tokenizer.model']
+  _, tokenizer, _ = translation.load_run(tiny_run)
+  sources, _ = val_sentences(4)
+  results = ctranslate2.Translator(str(folder)).translate_batch(pieces(tokenizer, sources),
+                                                                 max_decoding_length=20)
+  assert len(results) == 4 and all(r.hypotheses[0] for r in results)
+
+  run = tmp_path / 'gelu_run'
+  shutil.copytree(tiny_run, run)
+  saved = json.loads((run / 'config.json').read_text())
+  saved['model']['activation'] = 'gelu'
+  (run / 'config.json').write_text(json.dumps(saved))
+  result = subprocess.run(
+      [sys.executable, 'export.py', '--workdir', str(run), '--format', 'ctranslate2',
+       '--output', str(tmp_path / 'gelu')], cwd=REPO, capture_output=True, timeout=300)
+  stderr = result.stderr.decode()
+  assert result.returncode == 1 and 'Traceback' not in stderr, stderr
+  assert stderr.strip().splitlines()[-1].startswith('error: CTranslate2 runs ReLU'), stderr
