@@ -14,7 +14,10 @@ jax, numpy and sentencepiece.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib.util
+import json
 import os
 import shutil
 import sys
@@ -23,20 +26,71 @@ from typing import Any
 import jax
 import numpy as np
 from absl import app, flags, logging
+from flax import traverse_util
 
 import checkpoints
 import console
 import sharding
 import translation
-from model import EOS_ID, PAD_ID, UNK_ID, TransformerConfig, sinusoidal_table
+from model import (
+  EOS_ID,
+  PAD_ID,
+  UNK_ID,
+  Transformer,
+  TransformerConfig,
+  sinusoidal_table,
+  transformer_beam_search,
+)
 
 FLAGS = flags.FLAGS
 FORMATS = ('jax', 'ctranslate2')
 
 
-def export_jax(workdir: str, params: Any, output_dir: str) -> None:
-  """Writes the jax.export translator of the run's model with `params` into output_dir."""
-  raise NotImplementedError('--format jax is not built yet.')
+# Source-length buckets of an exported translator (up to the model's max_len): each is one
+# program; a sentence runs in the smallest bucket that holds it.
+JAX_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+SERVING = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'serving.py')
+
+
+def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu') -> None:
+  """Writes the jax.export translator of the run's model with `params` into output_dir.
+
+  One serialized program per source-length bucket (`translator_{length}.jax`): encoder and
+  beam search, the parameters as its first argument (`params.npz`, '/'-joined names), inputs
+  [batch, length] int32 with a symbolic batch, outputs (sequences [batch, 1, max_length] int32,
+  scores [batch, 1] float32). Next to them: tokenizer.model, translator.json (buckets and
+  search settings) and serving.py, which translates with only jax, numpy and sentencepiece.
+  `platform` ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the
+  CPU-tuned decoding.
+  """
+  config, _, model = translation.load_run(workdir)
+  model = Transformer(dataclasses.replace(model.config, cpu_tuned=platform == 'cpu'))
+  decode_config = config.decode
+  settings = dict(beam_size=decode_config.beam_size, alpha=decode_config.alpha,
+                  max_extra_length=decode_config.max_extra_length,
+                  stopping=decode_config.get('stopping', 'exact'))
+  max_length = min(decode_config.max_length, model.config.max_len)
+  buckets = [b for b in JAX_BUCKETS if b < model.config.max_len] + [model.config.max_len]
+  abstract_params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                           params)
+  batch, = jax.export.symbolic_shape('batch')
+  for length in buckets:
+    search = functools.partial(transformer_beam_search, model,
+                               max_length=min(length + settings['max_extra_length'], max_length),
+                               **settings)
+    exported = jax.export.export(jax.jit(search), platforms=(platform,))(
+        abstract_params, jax.ShapeDtypeStruct((batch, length), np.int32))
+    with open(os.path.join(output_dir, f'translator_{length}.jax'), 'wb') as f:
+      f.write(exported.serialize())
+  flat = traverse_util.flatten_dict(params, sep='/')
+  np.savez(os.path.join(output_dir, 'params.npz'), **{k: np.asarray(v) for k, v in flat.items()})
+  shutil.copy(os.path.join(workdir, 'tokenizer.model'), output_dir)
+  shutil.copy(SERVING, output_dir)
+  manifest = dict(buckets=buckets, platform=platform, max_length=max_length,
+                  batch_tokens=decode_config.batch_tokens, eos_id=EOS_ID, pad_id=PAD_ID,
+                  **settings, model=config.model.to_dict())
+  with open(os.path.join(output_dir, 'translator.json'), 'w', encoding='utf-8') as f:
+    json.dump(manifest, f, indent=2)
 
 
 def export_ctranslate2(workdir: str, params: Any, output_dir: str,
@@ -143,7 +197,8 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
 
 
 def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: str | None = None,
-           average_last: int = 0, quantization: str | None = None) -> str:
+           average_last: int = 0, quantization: str | None = None,
+           platform: str = 'cpu') -> str:
   """Exports the run's parameters (newest checkpoint, a step, 'averaged' or the last N averaged)
   in `format`; returns where they came from."""
   if format not in FORMATS:
@@ -155,7 +210,7 @@ def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: st
   params = jax.device_get(params)
   os.makedirs(output_dir, exist_ok=True)
   if format == 'jax':
-    export_jax(workdir, params, output_dir)
+    export_jax(workdir, params, output_dir, platform)
   else:
     export_ctranslate2(workdir, params, output_dir, quantization)
   return origin
@@ -167,6 +222,8 @@ def define_flags():
   flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to.')
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
+  flags.DEFINE_enum('platform', 'cpu', ['cpu', 'cuda', 'tpu'],
+                    'What the exported jax programs run on (--format jax).')
   flags.DEFINE_enum('quantization', None, ['int8', 'int8_float32', 'int16', 'float16'],
                     'CTranslate2 weight quantization (default: float32).')
 
@@ -180,7 +237,7 @@ def main(argv):
   try:
     origin = export(FLAGS.workdir, FLAGS.output, format=FLAGS.format,
                     checkpoint=FLAGS.checkpoint, average_last=FLAGS.average_last,
-                    quantization=FLAGS.quantization)
+                    quantization=FLAGS.quantization, platform=FLAGS.platform)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')
   logging.info('Exported %s as %s to %s.', origin, FLAGS.format, FLAGS.output)

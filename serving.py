@@ -1,0 +1,125 @@
+"""Translates with a folder written by `export.py --format jax`, using only jax, numpy and
+sentencepiece (no Flax, TensorFlow or code of the training project): copy the folder anywhere.
+
+  python serving.py --model EXPORTED_DIR < input.txt > output.txt
+  python serving.py --model EXPORTED_DIR          # interactive: one line in, one line out
+
+  from serving import ExportedTranslator
+  translator = ExportedTranslator('EXPORTED_DIR')
+  translator.translate(['A dog runs in the snow.'])
+
+Every input line gives exactly one output line (an empty line gives an empty line). Sources
+longer than the largest bucket are cut to it with a warning on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import stat
+import sys
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import sentencepiece as spm
+
+
+def _unflatten(flat: dict[str, np.ndarray]) -> dict:
+  """{'a/b': x} -> {'a': {'b': x}}."""
+  tree: dict = {}
+  for name, value in flat.items():
+    node = tree
+    *parents, leaf = name.split('/')
+    for parent in parents:
+      node = node.setdefault(parent, {})
+    node[leaf] = value
+  return tree
+
+
+class ExportedTranslator:
+  """Beam-search translation with the exported programs, batched by source-length bucket.
+
+  Each (bucket, batch rows) shape compiles once, on first use; batch rows are powers of two.
+  """
+
+  def __init__(self, folder: str):
+    with open(os.path.join(folder, 'translator.json'), encoding='utf-8') as f:
+      self.manifest = json.load(f)
+    self.buckets = list(self.manifest['buckets'])
+    self.eos_id, self.pad_id = self.manifest['eos_id'], self.manifest['pad_id']
+    self.batch_tokens = self.manifest['batch_tokens']
+    self._sp = spm.SentencePieceProcessor(model_file=os.path.join(folder, 'tokenizer.model'))
+    with np.load(os.path.join(folder, 'params.npz')) as arrays:
+      self._params = jax.device_put(_unflatten({k: arrays[k] for k in arrays.files}))
+    self._folder = folder
+    self._programs: dict[int, jax.export.Exported] = {}
+
+  def _program(self, length: int) -> jax.export.Exported:
+    if length not in self._programs:
+      with open(os.path.join(self._folder, f'translator_{length}.jax'), 'rb') as f:
+        self._programs[length] = jax.export.deserialize(bytearray(f.read()))
+    return self._programs[length]
+
+  def translate(self, sources: Sequence[str]) -> list[str]:
+    """Translations of `sources`, in their order."""
+    ids = self._sp.encode([s for s in sources], out_type=int, add_eos=True)
+    outputs = [''] * len(sources)
+    by_bucket: dict[int, list[int]] = {}
+    longest = self.buckets[-1]
+    for i, (text, tokens) in enumerate(zip(sources, ids)):
+      if not text.strip():
+        continue
+      if len(tokens) > longest:
+        print(f'warning: line {i + 1} has {len(tokens)} tokens; cut to {longest}.',
+              file=sys.stderr)
+        ids[i] = tokens[:longest - 1] + [self.eos_id]
+      bucket = next(b for b in self.buckets if b >= len(ids[i]))
+      by_bucket.setdefault(bucket, []).append(i)
+    for length, members in sorted(by_bucket.items()):
+      rows = max(1, 1 << (max(1, self.batch_tokens // length).bit_length() - 1))
+      for start in range(0, len(members), rows):
+        batch = members[start:start + rows]
+        padded_rows = 1 << (len(batch) - 1).bit_length()
+        inputs = np.full((padded_rows, length), self.pad_id, np.int32)
+        for row, i in enumerate(batch):
+          inputs[row, :len(ids[i])] = ids[i]
+        sequences, _ = self._program(length).call(self._params, jnp.asarray(inputs))
+        for row, i in enumerate(batch):
+          tokens = np.asarray(sequences[row, 0]).tolist()
+          end = tokens.index(self.eos_id) if self.eos_id in tokens else len(tokens)
+          outputs[i] = self._sp.decode([t for t in tokens[:end] if t != self.pad_id])
+    return outputs
+
+
+def output_line(translation: str) -> str:
+  """A translation on one line: line breaks and tabs inside it become spaces."""
+  return ' '.join(translation.replace('\t', ' ').splitlines())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--model', required=True, help='a folder written by export.py')
+  parser.add_argument('--input', default='-', help='source text, one sentence per line')
+  parser.add_argument('--output', default='-', help='where the translations go')
+  args = parser.parse_args(argv)
+  if not os.path.isfile(os.path.join(args.model, 'translator.json')):
+    sys.exit(f'error: {args.model} is not a folder written by export.py --format jax.')
+  translator = ExportedTranslator(args.model)
+  out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
+  if args.input == '-' and not stat.S_ISREG(os.fstat(sys.stdin.fileno()).st_mode):
+    for line in sys.stdin:  # A pipe or a terminal: each line as it arrives.
+      out.write(output_line(translator.translate([line.rstrip('\r\n')])[0]) + '\n')
+      out.flush()
+  else:
+    with open(sys.stdin.fileno() if args.input == '-' else args.input, encoding='utf-8') as f:
+      lines = [line.rstrip('\r\n') for line in f]
+    out.writelines(output_line(t) + '\n' for t in translator.translate(lines))
+  if out is not sys.stdout:
+    out.close()
+
+
+if __name__ == '__main__':
+  main()

@@ -1,0 +1,81 @@
+"""export.py --format jax and serving.py: the exported translator translates as decode.py does,
+with only jax, numpy and sentencepiece importable."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import input_pipeline
+import sharding
+import translation
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run serving.py with everything but jax, numpy, sentencepiece and the standard library
+# unimportable: Flax, TensorFlow, and every module of this project.
+BLOCKED = ('flax', 'tensorflow', 'tensorflow_datasets', 'optax', 'orbax', 'ml_collections',
+           'absl', 'sacrebleu', 'model', 'translation', 'input_pipeline', 'checkpoints',
+           'sharding', 'console', 'decode', 'train', 'export', 'configs')
+ISOLATED = f"""
+import runpy, sys
+class Block:
+  def find_spec(self, name, path=None, target=None):
+    if name.split('.')[0] in {BLOCKED!r}:
+      raise ImportError('serving.py may not import ' + name)
+sys.meta_path.insert(0, Block())
+sys.path = [p for p in sys.path if p not in ('', {REPO!r})]
+folder = sys.argv.pop(1)
+sys.path.insert(0, folder)
+runpy.run_path(folder + '/serving.py', run_name='__main__')
+"""
+
+
+@pytest.fixture(scope='module')
+def exported(tiny_run, tmp_path_factory):
+  folder = str(tmp_path_factory.mktemp('exported'))
+  result = subprocess.run([sys.executable, 'export.py', '--workdir', tiny_run, '--format', 'jax',
+                           '--output', folder], cwd=REPO, capture_output=True, timeout=600)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  return folder
+
+
+def sources():
+  """Varied lengths (several buckets), an empty line, one line longer than any bucket."""
+  lines = input_pipeline.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
+  picked = [lines[i] for i in (0, 3, 7, 11)]
+  return picked[:2] + [''] + picked[2:] + [' '.join(lines[:12]), 'Hi.']
+
+
+def test_exported_translator_equals_decode(tiny_run, exported, tmp_path):
+  config, tokenizer, model = translation.load_run(tiny_run)
+  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = translation.load_params(tiny_run, translator.mesh)
+  lines = sources()
+  expected = translator(params, lines)
+  assert expected[2] == ''
+
+  sys.path.insert(0, exported)
+  try:
+    import serving
+    assert serving.ExportedTranslator(exported).translate(lines) == expected
+  finally:
+    sys.path.remove(exported)
+
+  (tmp_path / 'src.txt').write_text(''.join(line + '\n' for line in lines), encoding='utf-8')
+  result = subprocess.run([sys.executable, '-c', ISOLATED, exported, '--model', exported,
+                           '--input', str(tmp_path / 'src.txt')], capture_output=True,
+                          timeout=600, cwd=str(tmp_path))
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert result.stdout.decode().split('\n')[:-1] == expected
+  assert 'cut to 128' in result.stderr.decode()
+
+
+def test_export_errors_are_one_line(tmp_path):
+  (tmp_path / 'run').mkdir()
+  result = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'),
+                           '--format', 'jax', '--output', str(tmp_path / 'out')], cwd=REPO,
+                          capture_output=True, timeout=300)
+  stderr = result.stderr.decode()
+  assert result.returncode == 1 and 'Traceback' not in stderr, stderr
+  assert stderr.strip().splitlines()[-1].startswith('error: '), stderr
