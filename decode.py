@@ -2,14 +2,16 @@
 
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
-      [--stopping exact|early] \
+      [--stopping exact|early] [--output_format text|json] \
       [--checkpoint STEP | --checkpoint averaged | --average_last N]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
 `-` reads stdin / writes stdout; from a pipe or a terminal each line is translated as soon as
 it arrives and its translation flushed (`python decode.py --workdir RUN --input -` is an
 interactive translator). Every input line gives exactly one output line (an empty line gives
-an empty line); with --nbest N > 1 each line holds N tab-separated translations.
+an empty line); with --nbest N > 1 each line holds N tab-separated translations;
+--output_format json writes one JSON object per line instead (scores, pieces, per-piece
+log-probabilities of each of the nbest translations).
 Runs on whatever devices this machine has, whatever the run was trained on; with
 --distributed, on every device of several processes (as train.py), process 0 writing the
 output and the scores.
@@ -17,6 +19,7 @@ output and the scores.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import sys
@@ -39,7 +42,7 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
            output: str = '-', reference: str | None = None, beam_size: int | None = None,
            alpha: float | None = None, nbest: int = 1, batch_tokens: int | None = None,
            stopping: str | None = None, checkpoint: str | None = None,
-           average_last: int = 0) -> dict[str, Any] | None:
+           average_last: int = 0, output_format: str = 'text') -> dict[str, Any] | None:
   """Translates --input or --split, writes the translations, returns the scores (if any).
 
   Input from a pipe or a terminal is translated as it arrives, each output line flushed.
@@ -58,7 +61,10 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   mesh = sharding.make_mesh()
   translator = translation.Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size,
                                       alpha=alpha, nbest=nbest, batch_tokens=batch_tokens,
-                                      stopping=stopping)
+                                      stopping=stopping, details=output_format == 'json')
+  lines = lambda sources, translations: ''.join(
+      format_output(source, translation, nbest, output_format) + '\n'
+      for source, translation in zip(sources, translations))
   params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
   writes = jax.process_index() == 0  # Every process holds every translation; one writes.
   out = (sys.stdout if output == '-' else open(output, 'w', encoding='utf-8')) if writes else None
@@ -71,8 +77,7 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
                    translator.beam_size)
       for chunk in input_pipeline.stream_lines(sys.stdin.fileno()):
         chunk_translations = translator(params, chunk)
-        out.write(''.join(output_line(t if nbest > 1 else [t]) + '\n'
-                          for t in chunk_translations))
+        out.write(lines(chunk, chunk_translations))
         out.flush()
         translations.extend(chunk_translations)
     else:
@@ -84,7 +89,7 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
       logging.info('Translated %d sentences in %.1f s (%.1f sentences/s).', len(sources),
                    elapsed, len(sources) / max(elapsed, 1e-9))
       if writes:
-        out.write(''.join(output_line(t if nbest > 1 else [t]) + '\n' for t in translations))
+        out.write(lines(sources, translations))
         out.flush()
   finally:
     if out is not None and out is not sys.stdout:
@@ -93,13 +98,25 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     return None
   if len(references) != len(translations):
     raise ValueError(f'{len(translations)} source lines but {len(references)} reference lines.')
-  best = translations if nbest == 1 else [t[0] for t in translations]
+  if output_format == 'json':
+    best = [t[0]['text'] if t else '' for t in translations]
+  else:
+    best = translations if nbest == 1 else [t[0] for t in translations]
   scores = translation.score(best, references)
   if writes:
     print(f"BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})\n"
           f"BLEU (lowercase) {scores['bleu_lowercase']:.2f}\n"
           f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})", file=sys.stderr)
   return scores
+
+
+def format_output(source: str, translation: Any, nbest: int, output_format: str) -> str:
+  """One input line's output line: its translation (nbest > 1: tab-separated translations), or
+  with output_format 'json' an object {"source", "translations": [{"text", "score",
+  "log_prob", "tokens", "token_log_probs"}, ...]} (no translations for an empty line)."""
+  if output_format == 'json':
+    return json.dumps({'source': source, 'translations': translation}, ensure_ascii=False)
+  return output_line(translation if nbest > 1 else [translation])
 
 
 def output_line(translations: list[str]) -> str:
@@ -123,6 +140,9 @@ def define_flags():
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the run config).')
   flags.DEFINE_integer('nbest', 1, 'Translations per sentence (<= beam size).', lower_bound=1)
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
+  flags.DEFINE_enum('output_format', 'text', ['text', 'json'],
+                    "'json': one object per line with each of the nbest translations' score, "
+                    'log-probability, pieces and per-piece log-probabilities.')
   flags.DEFINE_enum('stopping', None, ['exact', 'early'],
                     "When a sentence's search ends (default: the run config): 'exact' once no "
                     "live hypothesis can win, 'early' once none would by ending next step.")
@@ -150,7 +170,7 @@ def main(argv):
     decode(FLAGS.workdir, input_path=FLAGS.input, split=FLAGS.split, output=FLAGS.output,
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
            nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, stopping=FLAGS.stopping,
-           checkpoint=FLAGS.checkpoint,
+           output_format=FLAGS.output_format, checkpoint=FLAGS.checkpoint,
            average_last=FLAGS.average_last)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')

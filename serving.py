@@ -43,6 +43,7 @@ class ExportedTranslator:
   """Beam-search translation with the exported programs, batched by source-length bucket.
 
   Each (bucket, batch rows) shape compiles once, on first use; batch rows are powers of two.
+  The command line keeps compiled programs in the folder's compilation_cache/.
   """
 
   def __init__(self, folder: str):
@@ -107,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if not os.path.isfile(os.path.join(args.model, 'translator.json')):
     sys.exit(f'error: {args.model} is not a folder written by export.py --format jax.')
+  if not jax.config.jax_compilation_cache_dir:  # Later runs load the compiled programs.
+    jax.config.update('jax_compilation_cache_dir', os.path.join(args.model, 'compilation_cache'))
   translator = ExportedTranslator(args.model)
   out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
   if args.input == '-' and not stat.S_ISREG(os.fstat(sys.stdin.fileno()).st_mode):

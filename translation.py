@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import ml_collections
+import numpy as np
 import sacrebleu
 from absl import logging
 from jax.sharding import Mesh
@@ -24,7 +25,13 @@ import console
 import input_pipeline
 import sharding
 from configs import multi30k
-from model import Transformer, TransformerConfig, transformer_beam_search, upgrade_params
+from model import (
+    EOS_ID,
+    Transformer,
+    TransformerConfig,
+    transformer_beam_search,
+    upgrade_params,
+)
 from model.decoding import STOPPING_RULES
 
 # config.json of runs written before the config had groups: old key -> (group, key).
@@ -119,8 +126,11 @@ class Translator:
   def __init__(self, model: Transformer, tokenizer: input_pipeline.Tokenizer,
                decode_config: ml_collections.ConfigDict, mesh: Mesh, *,
                beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
-               batch_tokens: int | None = None, stopping: str | None = None):
+               batch_tokens: int | None = None, stopping: str | None = None,
+               details: bool = False):
     self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
+    self.details = details
+    self._pieces = tokenizer.pieces() if details else []
     self.beam_size = beam_size or decode_config.beam_size
     self.alpha = decode_config.alpha if alpha is None else alpha
     if not 1 <= self.beam_size <= model.config.vocab_size:
@@ -144,7 +154,7 @@ class Translator:
       return transformer_beam_search(
           model, params, inputs, beam_size=self.beam_size, alpha=self.alpha,
           max_length=max_length, max_extra_length=self.max_extra_length, nbest=nbest,
-          stopping=self.stopping)
+          stopping=self.stopping, token_log_probs=details)
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))
@@ -154,14 +164,16 @@ class Translator:
     return jax.device_put(params, sharding.replicated(self.mesh))
 
   def __call__(self, params: Any, sources: list[str],
-               progress: bool = False) -> list[str] | list[list[str]]:
+               progress: bool = False) -> list[str] | list[list[str]] | list[list[dict]]:
     """Translations of `sources`, in their order (nbest > 1: a list of nbest per source).
 
     Empty sources give empty translations; sources longer than the model's maximum are
-    truncated with a warning.
+    truncated with a warning. With `details`, each source gets a list of nbest dicts (none
+    for an empty source): text, score (length-penalised, as the search ranks), log_prob,
+    tokens (the pieces, EOS included) and token_log_probs (summing to log_prob).
     """
     token_ids = self.tokenizer.encode(sources)
-    outputs: list[Any] = [[''] * self.nbest for _ in sources]
+    outputs: list[Any] = [[] if self.details else [''] * self.nbest for _ in sources]
     nonempty = [i for i, text in enumerate(sources) if text.strip()]
     batches = input_pipeline.length_batches(
         {'inputs': [token_ids[i] for i in nonempty]}, self.batch_tokens,
@@ -171,15 +183,28 @@ class Translator:
       ids, count = arrays['inputs'], len(indices)
       inputs = sharding.from_host_copy(arrays, self._rows)['inputs']
       max_length = min(ids.shape[1] + self.max_extra_length, self.max_length)
-      sequences, _ = jax.device_get(self._search(params, inputs, max_length))
+      sequences, *scores = jax.device_get(self._search(params, inputs, max_length))
       for row, index in enumerate(indices):
-        outputs[nonempty[index]] = [self.tokenizer.decode(s) for s in sequences[row]]
+        if self.details:
+          outputs[nonempty[index]] = [self._details(sequences[row, k], scores[0][row, k],
+                                                    scores[1][row, k])
+                                      for k in range(self.nbest) if np.isfinite(scores[0][row, k])]
+        else:
+          outputs[nonempty[index]] = [self.tokenizer.decode(s) for s in sequences[row]]
       done += count
       if progress and (batch_index % 10 == 9 or batch_index == len(batches) - 1):
         rate = done / (time.time() - start)
         logging.info('translated %d/%d sentences | %.1f sentences/s | ETA %s', done,
                      len(nonempty), rate, console.format_duration((len(nonempty) - done) / rate))
-    return [o[0] for o in outputs] if self.nbest == 1 else outputs
+    return [o[0] for o in outputs] if self.nbest == 1 and not self.details else outputs
+
+  def _details(self, sequence: np.ndarray, score: float, token_log_probs: np.ndarray) -> dict:
+    length = int(np.argmax(sequence == EOS_ID)) + 1
+    pieces = self._pieces
+    return {'text': self.tokenizer.decode(sequence), 'score': float(score),
+            'log_prob': float(np.sum(token_log_probs[:length])),
+            'tokens': [pieces[t] for t in sequence[:length].tolist()],
+            'token_log_probs': [float(x) for x in token_log_probs[:length]]}
 
 
 def score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:

@@ -125,10 +125,11 @@ def _while_loop(cond: Callable, body: Callable, state: dict[str, Any], max_lengt
 def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
                 max_length: int, length_limits: Array | None = None, alpha: float = 0.6,
                 nbest: int = 1, force_full_length: bool = False, stopping: str = 'exact',
+                token_log_probs: bool = False,
                 reorder_cache: Callable[[Any, Array], Any] | None = None,
                 top_k_extensions: Callable[..., tuple[Array, Array]] = top_k_extensions,
                 chunk_length: int | None = None,
-                grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
+                grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, ...]:
   """Beam search with the GNMT length penalty, finished hypotheses kept apart from live ones.
 
   A hypothesis' score is sum(log-probs) / length_penalty(length, alpha). Each step takes the
@@ -155,6 +156,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     nbest: number of sequences returned per sentence (<= beam_size).
     force_full_length: forbid EOS before the length limit (benchmarks).
     stopping: 'exact' or 'early' (see above).
+    token_log_probs: also return each output token's log-probability.
     reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
       that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
       along axis 1.
@@ -164,7 +166,9 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
   Returns:
     sequences [batch, nbest, max_length] int32, best first, each ending in EOS then 0s;
     scores [batch, nbest] float32 (length-penalised), -inf for a missing hypothesis (when a
-    sentence has fewer than nbest possible outputs).
+    sentence has fewer than nbest possible outputs); with `token_log_probs`, also
+    [batch, nbest, max_length] float32, each token's log-probability (0 after the EOS), which
+    sum to the unpenalised score.
   """
   if not 1 <= nbest <= beam_size:
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
@@ -191,6 +195,10 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     parents, tokens = flat // vocab, flat % vocab  # [batch, 2 * beam]
     cand_seqs = _set_position(gather_beams(state['seqs'], parents), step, tokens)
     is_eos = tokens == EOS_ID
+    if token_log_probs:  # A candidate's score less its parent's: the new token's.
+      gains = cand_log_probs - jnp.take_along_axis(state['log_probs'], parents, axis=1)
+      cand_token_lps = _set_position(gather_beams(state['token_lps'], parents), step,
+                                     jnp.where(jnp.isfinite(gains), gains, 0.0))
 
     # Finished: EOS extensions ranked within the best `beam`, merged with the earlier ones.
     newly_finished = is_eos & (jnp.arange(2 * beam) < beam)
@@ -203,6 +211,12 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     done = state['done']
     fin_scores = jnp.where(done[:, None], state['fin_scores'], fin_scores)
     fin_seqs = jnp.where(done[:, None, None], state['fin_seqs'], fin_seqs)
+    extra = {}
+    if token_log_probs:
+      fin_token_lps = gather_beams(
+          jnp.concatenate([state['fin_token_lps'], cand_token_lps], axis=1), best)
+      extra['fin_token_lps'] = jnp.where(done[:, None, None], state['fin_token_lps'],
+                                         fin_token_lps)
 
     # Live: the best `beam` non-EOS extensions.
     alive_log_probs, best = jax.lax.top_k(jnp.where(is_eos, NEG_INF, cand_log_probs), beam)
@@ -214,9 +228,11 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
       penalty_ahead = jnp.maximum(penalty_at_limit, penalty_ahead)
     bound = alive_log_probs[:, 0] / penalty_ahead
     done = done | (step + 1 >= limits) | (bound <= fin_scores[:, -1])
+    if token_log_probs:
+      extra['token_lps'] = gather_beams(cand_token_lps, best)
     return dict(step=step + 1, tokens=tokens, log_probs=alive_log_probs,
                 seqs=gather_beams(cand_seqs, best), cache=reorder(cache, parents),
-                fin_seqs=fin_seqs, fin_scores=fin_scores, done=done)
+                fin_seqs=fin_seqs, fin_scores=fin_scores, done=done, **extra)
 
   # Step 0: all beams hold the same empty prefix; only beam 0 may extend it.
   init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF)
@@ -229,7 +245,12 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
       fin_seqs=jnp.zeros((batch, nbest, length), jnp.int32),
       fin_scores=jnp.full((batch, nbest), NEG_INF, jnp.float32),
       done=jnp.zeros((batch,), bool))
+  if token_log_probs:
+    state.update(token_lps=jnp.zeros((batch, beam, length), jnp.float32),
+                 fin_token_lps=jnp.zeros((batch, nbest, length), jnp.float32))
   state = _while_loop(cond, body, state, length, chunk_length, grow_cache)
+  if token_log_probs:
+    return state['fin_seqs'], state['fin_scores'], state['fin_token_lps']
   return state['fin_seqs'], state['fin_scores']
 
 
@@ -392,18 +413,21 @@ def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
                             beam_size: int = 4, alpha: float = 0.6,
                             max_length: int | None = None, max_extra_length: int = 50,
                             nbest: int = 1, force_full_length: bool = False,
-                            stopping: str = 'exact') -> tuple[Array, Array]:
+                            stopping: str = 'exact',
+                            token_log_probs: bool = False) -> tuple[Array, ...]:
   """`beam_search` over a Transformer's translations of `inputs` [batch, src_len] (0-padded).
 
   max_length: static output length; default min(src_len + max_extra_length, config.max_len).
   Sentence i produces at most min(source_length_i + max_extra_length, max_length) tokens; an
-  all-padding row gives EOS alone. stopping: see `beam_search`.
-  Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32.
+  all-padding row gives EOS alone. stopping, token_log_probs: see `beam_search`.
+  Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32 (and
+  with token_log_probs each token's log-probability [batch, nbest, max_length] float32).
   """
   step_fn, cache, settings = transformer_search_setup(
       model, params, inputs, beam_size, max_length, max_extra_length, beam=True)
   return beam_search(step_fn, cache, beam_size=beam_size, alpha=alpha, nbest=nbest,
-                     force_full_length=force_full_length, stopping=stopping, **settings)
+                     force_full_length=force_full_length, stopping=stopping,
+                     token_log_probs=token_log_probs, **settings)
 
 
 def transformer_greedy_search(model: Transformer, params: Any, inputs: Array, *,

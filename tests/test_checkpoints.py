@@ -237,6 +237,7 @@ def _train_command(workdir, *overrides):
 
 
 @needs_multi30k
+@pytest.mark.slow  # The fast set checks the exit code on two processes (test_multiprocess.py).
 def test_an_interrupted_run_exits_with_the_resumable_code(run):
   """Before: exit code 0 after SIGTERM, so `train.py && decode.py` went on with a partial run."""
   metrics = os.path.join(run, 'metrics.jsonl')

@@ -1,5 +1,6 @@
 """decode.py and checkpoint averaging on a tiny run trained on real Multi30k sentences."""
 
+import json
 import os
 import select
 import shutil
@@ -170,3 +171,20 @@ def test_stdin_from_a_pipe_is_translated_line_by_line_as_it_arrives(workdir):
   params, _ = translation.load_params(workdir, translator.mesh)
   assert outputs == translator(params, lines)
   assert outputs[1] == ''
+
+
+def test_json_output_gives_nbest_scores_pieces_and_token_log_probs(workdir):
+  result = run_decode('--workdir', workdir, '--input', '-', '--nbest', '2', '--output_format',
+                      'json', stdin=b'A dog runs.\n\nTwo men.\n')
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  entries = [json.loads(line) for line in result.stdout.decode().split('\n')[:-1]]
+  assert [e['source'] for e in entries] == ['A dog runs.', '', 'Two men.']
+  assert entries[1]['translations'] == []
+  for entry in (entries[0], entries[2]):
+    assert len(entry['translations']) == 2
+    assert entry['translations'][0]['score'] >= entry['translations'][1]['score']
+    for hypothesis in entry['translations']:
+      assert hypothesis['tokens'][-1] == '</s>'
+      assert len(hypothesis['tokens']) == len(hypothesis['token_log_probs'])
+      assert sum(hypothesis['token_log_probs']) == pytest.approx(hypothesis['log_prob'],
+                                                                 abs=1e-4)

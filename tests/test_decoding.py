@@ -450,3 +450,23 @@ def test_an_all_padding_row_gives_eos_at_once_and_changes_no_other_row(medium):
   np.testing.assert_array_equal(padded_seqs[:-1], seqs)
   np.testing.assert_allclose(padded_scores[:-1], scores, rtol=1e-6)
   np.testing.assert_array_equal(padded_seqs[-1, 0], [EOS_ID] + [0] * 15)
+
+
+@pytest.mark.parametrize('cpu_tuned', [True, False])
+def test_token_log_probs_equal_the_forward_pass(medium, cpu_tuned):
+  """Per-token log-probabilities of every nbest output, against teacher forcing; they sum to
+  the score times the length penalty."""
+  _, params, inputs = medium
+  model, _ = make_model(20, seed=1, scale=1.0, eos_bias=1.5, cpu_tuned=cpu_tuned)
+  seqs, scores, token_lps = map(np.asarray, jitted(
+      transformer_beam_search, model, beam_size=4, nbest=2, max_length=16,
+      token_log_probs=True)(params, inputs))
+  for k in range(2):
+    logits = np.asarray(forward_logits(model, params, inputs, seqs[:, k]))
+    expected = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
+                                  seqs[:, k, :, None], axis=-1)[..., 0]
+    after_eos = np.arange(16) >= output_lengths(seqs[:, k])[:, None]
+    np.testing.assert_allclose(token_lps[:, k], np.where(after_eos, 0.0, expected), atol=1e-4)
+    penalties = np.asarray(length_penalty(output_lengths(seqs[:, k]), ALPHA))
+    np.testing.assert_allclose(token_lps[:, k].sum(-1) / penalties, scores[:, k], rtol=1e-5)
+  assert len(set(output_lengths(seqs[:, 0]))) > 1

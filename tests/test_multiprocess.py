@@ -213,6 +213,7 @@ def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path
 
 
 @needs_multi30k
+@pytest.mark.slow  # The fast set's topology claims: test_train.py (1 vs 8 devices in-process).
 def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
     tmp_path, two_process_run):
   workdir = tmp_path / 'run'
