@@ -127,7 +127,7 @@ def main():
         [*decode(args.baseline_repo), '--output', out],
         {'JAX_COMPILATION_CACHE_DIR': ''}, cwd=args.baseline_repo)
   if args.engines:
-    wanted = args.engines.split(',')
+    wanted = [w for w in args.engines.split(',') if w]
     engines = {k: v for k, v in engines.items() if any(w in k for w in wanted)}
   cache = os.path.join(scratch, 'compilation_cache')
   timed([*decode(REPO), '--output', os.devnull], {'JAX_COMPILATION_CACHE_DIR': cache})
