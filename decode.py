@@ -2,7 +2,7 @@
 
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
-      [--stopping exact|early] [--output_format text|json] \
+      [--stopping exact|early] [--output_format text|json] [--target_prefix prefixes.txt] \
       [--checkpoint STEP | --checkpoint averaged | --average_last N]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
@@ -42,7 +42,8 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
            output: str = '-', reference: str | None = None, beam_size: int | None = None,
            alpha: float | None = None, nbest: int = 1, batch_tokens: int | None = None,
            stopping: str | None = None, checkpoint: str | None = None,
-           average_last: int = 0, output_format: str = 'text') -> dict[str, Any] | None:
+           average_last: int = 0, output_format: str = 'text',
+           target_prefix: str | None = None) -> dict[str, Any] | None:
   """Translates --input or --split, writes the translations, returns the scores (if any).
 
   Input from a pipe or a terminal is translated as it arrives, each output line flushed.
@@ -58,6 +59,10 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     references = input_pipeline.read_lines(reference) if reference else None
   if sources is not None and references is not None and len(references) != len(sources):
     raise ValueError(f'{len(sources)} source lines but {len(references)} reference lines.')
+  prefixes = input_pipeline.read_lines(target_prefix) if target_prefix else None
+  if prefixes is not None and (streaming or len(prefixes) != len(sources)):
+    raise ValueError(f'--target_prefix {target_prefix} needs one line per source line ('
+                     f'{len(prefixes)} lines, {"stdin" if streaming else len(sources)} sources).')
   mesh = sharding.make_mesh()
   translator = translation.Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size,
                                       alpha=alpha, nbest=nbest, batch_tokens=batch_tokens,
@@ -84,7 +89,7 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
       logging.info('Translating %d sentences with %s (beam %d) on %d devices.', len(sources),
                    origin, translator.beam_size, mesh.devices.size)
       start = time.time()
-      translations = translator(params, sources, progress=True)
+      translations = translator(params, sources, progress=True, prefixes=prefixes)
       elapsed = time.time() - start
       logging.info('Translated %d sentences in %.1f s (%.1f sentences/s).', len(sources),
                    elapsed, len(sources) / max(elapsed, 1e-9))
@@ -140,6 +145,8 @@ def define_flags():
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the run config).')
   flags.DEFINE_integer('nbest', 1, 'Translations per sentence (<= beam size).', lower_bound=1)
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
+  flags.DEFINE_string('target_prefix', None, 'A file of target prefixes, one per input line (an '
+                      'empty line: none): each translation starts with its prefix.')
   flags.DEFINE_enum('output_format', 'text', ['text', 'json'],
                     "'json': one object per line with each of the nbest translations' score, "
                     'log-probability, pieces and per-piece log-probabilities.')
@@ -170,7 +177,8 @@ def main(argv):
     decode(FLAGS.workdir, input_path=FLAGS.input, split=FLAGS.split, output=FLAGS.output,
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
            nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, stopping=FLAGS.stopping,
-           output_format=FLAGS.output_format, checkpoint=FLAGS.checkpoint,
+           output_format=FLAGS.output_format, target_prefix=FLAGS.target_prefix,
+           checkpoint=FLAGS.checkpoint,
            average_last=FLAGS.average_last)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')

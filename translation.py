@@ -130,7 +130,7 @@ class Translator:
                details: bool = False):
     self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
     self.details = details
-    self._pieces = tokenizer.pieces() if details else []
+    self._pieces = tokenizer.pieces()
     self.beam_size = beam_size or decode_config.beam_size
     self.alpha = decode_config.alpha if alpha is None else alpha
     if not 1 <= self.beam_size <= model.config.vocab_size:
@@ -149,12 +149,12 @@ class Translator:
     self.traces = 0  # How many times the search was traced (once per length bucket).
     self._rows = sharding.rows(mesh)
 
-    def search(params, inputs, max_length):
+    def search(params, inputs, max_length, prefix=None):
       self.traces += 1
       return transformer_beam_search(
           model, params, inputs, beam_size=self.beam_size, alpha=self.alpha,
           max_length=max_length, max_extra_length=self.max_extra_length, nbest=nbest,
-          stopping=self.stopping, token_log_probs=details)
+          stopping=self.stopping, token_log_probs=details, prefix=prefix)
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))
@@ -163,27 +163,38 @@ class Translator:
     """Parameters replicated over the mesh (do it once, not per call)."""
     return jax.device_put(params, sharding.replicated(self.mesh))
 
-  def __call__(self, params: Any, sources: list[str],
-               progress: bool = False) -> list[str] | list[list[str]] | list[list[dict]]:
+  def __call__(self, params: Any, sources: list[str], progress: bool = False,
+               prefixes: list[str] | None = None
+               ) -> list[str] | list[list[str]] | list[list[dict]]:
     """Translations of `sources`, in their order (nbest > 1: a list of nbest per source).
 
     Empty sources give empty translations; sources longer than the model's maximum are
     truncated with a warning. With `details`, each source gets a list of nbest dicts (none
     for an empty source): text, score (length-penalised, as the search ranks), log_prob,
     tokens (the pieces, EOS included) and token_log_probs (summing to log_prob).
+    `prefixes` (aligned with `sources`, '' for none) start the translations: each is decoded
+    as given, then continued by the search, and kept verbatim in the text.
     """
+    if prefixes is not None and len(prefixes) != len(sources):
+      raise ValueError(f'{len(sources)} sources but {len(prefixes)} target prefixes.')
     token_ids = self.tokenizer.encode(sources)
     outputs: list[Any] = [[] if self.details else [''] * self.nbest for _ in sources]
     nonempty = [i for i, text in enumerate(sources) if text.strip()]
-    batches = input_pipeline.length_batches(
-        {'inputs': [token_ids[i] for i in nonempty]}, self.batch_tokens,
-        self.model.config.max_len, row_multiple=self.mesh.devices.size)
+    sides = {'inputs': [token_ids[i] for i in nonempty]}
+    if prefixes is not None:  # Without the EOS the tokenizer adds.
+      sides['prefix'] = [x[:-1] for x in self.tokenizer.encode([prefixes[i] for i in nonempty])]
+    longest = self.model.config.max_len - (prefixes is not None)  # A prefix needs one more.
+    batches = input_pipeline.length_batches(sides, self.batch_tokens, longest,
+                                            row_multiple=self.mesh.devices.size)
     start, done = time.time(), 0
     for batch_index, (indices, arrays) in enumerate(batches):
       ids, count = arrays['inputs'], len(indices)
-      inputs = sharding.from_host_copy(arrays, self._rows)['inputs']
+      placed = sharding.from_host_copy(arrays, self._rows)
       max_length = min(ids.shape[1] + self.max_extra_length, self.max_length)
-      sequences, *scores = jax.device_get(self._search(params, inputs, max_length))
+      if prefixes is not None:  # Room for the prefix and one token more.
+        max_length = min(max(max_length, ids.shape[1] + 1), self.model.config.max_len)
+      sequences, *scores = jax.device_get(self._search(params, placed['inputs'], max_length,
+                                                       placed.get('prefix')))
       for row, index in enumerate(indices):
         if self.details:
           outputs[nonempty[index]] = [self._details(sequences[row, k], scores[0][row, k],
@@ -191,12 +202,29 @@ class Translator:
                                       for k in range(self.nbest) if np.isfinite(scores[0][row, k])]
         else:
           outputs[nonempty[index]] = [self.tokenizer.decode(s) for s in sequences[row]]
+        if prefixes is not None:
+          self._keep_prefix(outputs[nonempty[index]], prefixes[nonempty[index]],
+                            sequences[row], int(np.sum(arrays['prefix'][row] != 0)))
       done += count
       if progress and (batch_index % 10 == 9 or batch_index == len(batches) - 1):
         rate = done / (time.time() - start)
         logging.info('translated %d/%d sentences | %.1f sentences/s | ETA %s', done,
                      len(nonempty), rate, console.format_duration((len(nonempty) - done) / rate))
     return [o[0] for o in outputs] if self.nbest == 1 and not self.details else outputs
+
+  def _keep_prefix(self, outputs: list, prefix: str, sequences: np.ndarray, length: int) -> None:
+    """Each output's text as the prefix verbatim + the detokenized rest of its sequence."""
+    if not length:
+      return
+    for k, output in enumerate(outputs):
+      rest = sequences[k, length:]
+      first = self._pieces[int(rest[0])] if rest[0] != EOS_ID else ''
+      space = ' ' if first.startswith('\u2581') and not prefix.endswith(' ') else ''
+      text = prefix + space + self.tokenizer.decode(rest) if rest[0] != EOS_ID else prefix
+      if isinstance(output, dict):
+        output['text'] = text
+      else:
+        outputs[k] = text
 
   def _details(self, sequence: np.ndarray, score: float, token_log_probs: np.ndarray) -> dict:
     length = int(np.argmax(sequence == EOS_ID)) + 1

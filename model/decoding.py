@@ -76,14 +76,20 @@ def top_k_extensions(log_probs: Array, hypothesis_log_probs: Array, allowed: Arr
   return jax.lax.top_k(scores.reshape(scores.shape[0], -1), k)
 
 
-def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: bool) -> Array:
+def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: bool,
+                    prefix: Array | None = None) -> Array:
   """[batch, 1, vocab] bool: the tokens the decoding rules allow at position `step`."""
   ids = jnp.arange(vocab)
   allowed = ids != PAD_ID
   if force_full_length:
     allowed &= ids != EOS_ID
   last = (step + 1 >= limits)[:, None, None]  # The last allowed position: EOS only.
-  return jnp.where(last, ids == EOS_ID, allowed)
+  allowed = jnp.where(last, ids == EOS_ID, allowed)
+  if prefix is not None:  # Inside a sentence's prefix, its token only.
+    forced = jnp.take(prefix, jnp.minimum(step, prefix.shape[1] - 1), axis=1)  # [batch]
+    forced = jnp.where(step < prefix.shape[1], forced, PAD_ID)[:, None, None]
+    allowed = jnp.where(forced != PAD_ID, ids == forced, allowed)
+  return allowed
 
 
 def _limits(length_limits: Array | None, batch_size: int, max_length: int) -> Array:
@@ -125,7 +131,7 @@ def _while_loop(cond: Callable, body: Callable, state: dict[str, Any], max_lengt
 def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
                 max_length: int, length_limits: Array | None = None, alpha: float = 0.6,
                 nbest: int = 1, force_full_length: bool = False, stopping: str = 'exact',
-                token_log_probs: bool = False,
+                token_log_probs: bool = False, prefix: Array | None = None,
                 reorder_cache: Callable[[Any, Array], Any] | None = None,
                 top_k_extensions: Callable[..., tuple[Array, Array]] = top_k_extensions,
                 chunk_length: int | None = None,
@@ -157,6 +163,9 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     force_full_length: forbid EOS before the length limit (benchmarks).
     stopping: 'exact' or 'early' (see above).
     token_log_probs: also return each output token's log-probability.
+    prefix: [batch_size, prefix_length] int32, 0-padded: each output starts with its
+      sentence's tokens (forced decoding; EOS and 0 are not prefix tokens); the length limit
+      leaves room for at least one token after it.
     reorder_cache: reorder_cache(cache, parents [batch, beam]) -> the cache of the hypotheses
       that continue `parents`. Default: every leaf is shaped [batch, beam, ...] and is gathered
       along axis 1.
@@ -176,6 +185,10 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
   batch, beam, length = batch_size, beam_size, max_length
   limits = _limits(length_limits, batch, length)
+  if prefix is not None:
+    prefix = jnp.asarray(prefix, jnp.int32)
+    prefix_lengths = jnp.sum(prefix != PAD_ID, axis=1, dtype=jnp.int32)
+    limits = jnp.minimum(jnp.maximum(limits, prefix_lengths + 1), length)
   reorder = reorder_cache or reorder_every_leaf
   select = top_k_extensions
   # Sentence i's penalty at its limit: the largest ahead for alpha >= 0 (see `bound`).
@@ -188,7 +201,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     step = state['step']
     log_probs, cache = step_fn(state['tokens'], step, state['cache'])
     vocab = log_probs.shape[-1]
-    allowed = _allowed_tokens(vocab, step, limits, force_full_length)
+    allowed = _allowed_tokens(vocab, step, limits, force_full_length, prefix)
     # The 2 * beam best extensions over all beams: at most `beam` of them are EOS (one per
     # beam), so at least `beam` can stay live.
     cand_log_probs, flat = select(log_probs, state['log_probs'], allowed, 2 * beam)
@@ -413,13 +426,13 @@ def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
                             beam_size: int = 4, alpha: float = 0.6,
                             max_length: int | None = None, max_extra_length: int = 50,
                             nbest: int = 1, force_full_length: bool = False,
-                            stopping: str = 'exact',
-                            token_log_probs: bool = False) -> tuple[Array, ...]:
+                            stopping: str = 'exact', token_log_probs: bool = False,
+                            prefix: Array | None = None) -> tuple[Array, ...]:
   """`beam_search` over a Transformer's translations of `inputs` [batch, src_len] (0-padded).
 
   max_length: static output length; default min(src_len + max_extra_length, config.max_len).
   Sentence i produces at most min(source_length_i + max_extra_length, max_length) tokens; an
-  all-padding row gives EOS alone. stopping, token_log_probs: see `beam_search`.
+  all-padding row gives EOS alone. stopping, token_log_probs, prefix: see `beam_search`.
   Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32 (and
   with token_log_probs each token's log-probability [batch, nbest, max_length] float32).
   """
@@ -427,7 +440,7 @@ def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
       model, params, inputs, beam_size, max_length, max_extra_length, beam=True)
   return beam_search(step_fn, cache, beam_size=beam_size, alpha=alpha, nbest=nbest,
                      force_full_length=force_full_length, stopping=stopping,
-                     token_log_probs=token_log_probs, **settings)
+                     token_log_probs=token_log_probs, prefix=prefix, **settings)
 
 
 def transformer_greedy_search(model: Transformer, params: Any, inputs: Array, *,

@@ -188,3 +188,26 @@ def test_json_output_gives_nbest_scores_pieces_and_token_log_probs(workdir):
       assert len(hypothesis['tokens']) == len(hypothesis['token_log_probs'])
       assert sum(hypothesis['token_log_probs']) == pytest.approx(hypothesis['log_prob'],
                                                                  abs=1e-4)
+
+
+def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
+  sources = ['A dog runs in the snow.', 'Two men talk.', 'A woman sings.']
+  prefixes = ['Ein Hund', '', 'Eine Frau singt,']
+  (tmp_path / 'src.txt').write_text(''.join(x + '\n' for x in sources), encoding='utf-8')
+  (tmp_path / 'prefix.txt').write_text(''.join(x + '\n' for x in prefixes), encoding='utf-8')
+  result = run_decode('--workdir', workdir, '--input', str(tmp_path / 'src.txt'),
+                      '--target_prefix', str(tmp_path / 'prefix.txt'))
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  lines = result.stdout.decode().split('\n')[:-1]
+  assert lines[0].startswith('Ein Hund') and lines[2].startswith('Eine Frau singt,')
+  assert len(lines[0]) > len('Ein Hund')  # Continued past the prefix.
+  config, tokenizer, model = translation.load_run(workdir)
+  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = translation.load_params(workdir, translator.mesh)
+  assert lines[1] == translator(params, [sources[1]])[0]  # No prefix: unchanged.
+  (tmp_path / 'short.txt').write_text('Ein Hund\n', encoding='utf-8')
+  result = run_decode('--workdir', workdir, '--input', str(tmp_path / 'src.txt'),
+                      '--target_prefix', str(tmp_path / 'short.txt'))
+  stderr = result.stderr.decode()
+  assert result.returncode == 1 and 'one line per source line' in stderr, stderr
+  assert 'Traceback' not in stderr

@@ -470,3 +470,32 @@ def test_token_log_probs_equal_the_forward_pass(medium, cpu_tuned):
     penalties = np.asarray(length_penalty(output_lengths(seqs[:, k]), ALPHA))
     np.testing.assert_allclose(token_lps[:, k].sum(-1) / penalties, scores[:, k], rtol=1e-5)
   assert len(set(output_lengths(seqs[:, 0]))) > 1
+
+
+def test_a_target_prefix_starts_the_output_and_the_search_continues_it_exactly():
+  """An exhaustive beam (vocab 5, <= 4 tokens): with a forced first token that the free best
+  output does not start with, the result is the best of all sequences that start with it
+  (brute force), under the same length penalty."""
+  vocab, max_len = 5, 4
+  model, params = make_model(vocab, seed=4)
+  source_lengths = [6, 6, 2, 3, 1, 6]
+  inputs = random_sources(np.random.default_rng(0), source_lengths, vocab)
+  free, _ = map(np.asarray, jitted(transformer_beam_search, model, beam_size=36, alpha=ALPHA,
+                                   max_length=max_len, max_extra_length=1)(params, inputs))
+  prefix = np.where(free[:, 0, :1] == 3, 4, 3).astype(np.int32)  # [batch, 1]
+  seqs, scores = map(np.asarray, jax.jit(functools.partial(
+      transformer_beam_search, model, beam_size=36, alpha=ALPHA, max_length=max_len,
+      max_extra_length=1))(params, inputs, prefix=jnp.asarray(prefix)))
+  candidates = np.array([list(rest) + [EOS_ID] + [0] * (max_len - n)
+                         for n in range(1, max_len + 1)
+                         for rest in itertools.product(range(2, vocab), repeat=n - 1)])
+  lengths = output_lengths(candidates)
+  for i, source_length in enumerate(source_lengths):
+    # The limit is min(source length + 1, 4), and at least the prefix and one token more.
+    allowed = candidates[(lengths <= max(2, min(source_length + 1, max_len)))
+                         & (candidates[:, 0] == prefix[i, 0])]
+    log_probs = forward_log_probs(model, params, np.repeat(inputs[i:i + 1], len(allowed), 0),
+                                  allowed)
+    brute = log_probs / np.asarray(length_penalty(output_lengths(allowed), ALPHA))
+    np.testing.assert_array_equal(seqs[i, 0], allowed[np.argmax(brute)])
+    np.testing.assert_allclose(scores[i, 0], brute.max(), rtol=1e-5, atol=1e-5)
