@@ -3,7 +3,8 @@
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
       [--stopping exact|early] [--output_format text|json] [--target_prefix prefixes.txt] \
-      [--checkpoint STEP | --checkpoint averaged | --average_last N]
+      [--checkpoint STEP | --checkpoint averaged | --average_last N] \
+      [--ensemble RUN2[:STEP|:averaged],RUN3 [--ensemble_weights 1,1,1]]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
 `-` reads stdin / writes stdout; from a pipe or a terminal each line is translated as soon as
@@ -43,7 +44,8 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
            alpha: float | None = None, nbest: int = 1, batch_tokens: int | None = None,
            stopping: str | None = None, checkpoint: str | None = None,
            average_last: int = 0, output_format: str = 'text',
-           target_prefix: str | None = None) -> dict[str, Any] | None:
+           target_prefix: str | None = None, ensemble: str | None = None,
+           ensemble_weights: str | None = None) -> dict[str, Any] | None:
   """Translates --input or --split, writes the translations, returns the scores (if any).
 
   Input from a pipe or a terminal is translated as it arrives, each output line flushed.
@@ -64,13 +66,18 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     raise ValueError(f'--target_prefix {target_prefix} needs one line per source line ('
                      f'{len(prefixes)} lines, {"stdin" if streaming else len(sources)} sources).')
   mesh = sharding.make_mesh()
+  params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
+  weights = None
+  if ensemble:
+    model, params, origin, weights = load_ensemble(ensemble, ensemble_weights, tokenizer, mesh,
+                                                   model, params, origin)
   translator = translation.Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size,
                                       alpha=alpha, nbest=nbest, batch_tokens=batch_tokens,
-                                      stopping=stopping, details=output_format == 'json')
+                                      stopping=stopping, details=output_format == 'json',
+                                      weights=weights)
   lines = lambda sources, translations: ''.join(
       format_output(source, translation, nbest, output_format) + '\n'
       for source, translation in zip(sources, translations))
-  params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
   writes = jax.process_index() == 0  # Every process holds every translation; one writes.
   out = (sys.stdout if output == '-' else open(output, 'w', encoding='utf-8')) if writes else None
   translations = []
@@ -115,6 +122,30 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   return scores
 
 
+def load_ensemble(members: str, weights: str | None, tokenizer: Any, mesh: Any, model: Any,
+                  params: Any, origin: str) -> tuple[list, list, str, list[float]]:
+  """The --workdir model followed by each of `members` ('RUN', 'RUN:STEP' or 'RUN:averaged',
+  comma-separated), their parameters, where they came from and their weights."""
+  models, trees, origins = [model], [params], [origin]
+  for member in filter(None, (m.strip() for m in members.split(','))):
+    run, _, checkpoint = member.rpartition(':')
+    if not run or not (checkpoint.isdigit() or checkpoint == 'averaged'):
+      run, checkpoint = member, None
+    _, member_tokenizer, member_model = translation.load_run(run)
+    if member_tokenizer.fingerprint != tokenizer.fingerprint:
+      raise ValueError(f'--ensemble member {run} has another tokenizer than --workdir: an '
+                       'ensemble needs one vocabulary.')
+    member_params, member_origin = translation.load_params(run, mesh, checkpoint)
+    models.append(member_model)
+    trees.append(member_params)
+    origins.append(member_origin)
+  values = [float(w) for w in weights.split(',')] if weights else [1.0] * len(models)
+  if len(values) != len(models):
+    raise ValueError(f'--ensemble_weights has {len(values)} weights for {len(models)} models '
+                     '(--workdir first, then --ensemble).')
+  return models, trees, 'an ensemble of ' + ', '.join(origins), values
+
+
 def format_output(source: str, translation: Any, nbest: int, output_format: str) -> str:
   """One input line's output line: its translation (nbest > 1: tab-separated translations), or
   with output_format 'json' an object {"source", "translations": [{"text", "score",
@@ -145,6 +176,11 @@ def define_flags():
   flags.DEFINE_float('alpha', None, 'Length penalty exponent (default: the run config).')
   flags.DEFINE_integer('nbest', 1, 'Translations per sentence (<= beam size).', lower_bound=1)
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
+  flags.DEFINE_string('ensemble', None, "Runs decoded together with --workdir's model as one "
+                      "ensemble: RUN, RUN:STEP or RUN:averaged, comma-separated (the "
+                      "next token's log-probabilities are the members' weighted mean).")
+  flags.DEFINE_string('ensemble_weights', None, 'Comma-separated weights, --workdir first '
+                      '(default: equal).')
   flags.DEFINE_string('target_prefix', None, 'A file of target prefixes, one per input line (an '
                       'empty line: none): each translation starts with its prefix.')
   flags.DEFINE_enum('output_format', 'text', ['text', 'json'],
@@ -178,6 +214,7 @@ def main(argv):
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
            nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, stopping=FLAGS.stopping,
            output_format=FLAGS.output_format, target_prefix=FLAGS.target_prefix,
+           ensemble=FLAGS.ensemble, ensemble_weights=FLAGS.ensemble_weights,
            checkpoint=FLAGS.checkpoint,
            average_last=FLAGS.average_last)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:

@@ -8,6 +8,7 @@ gives sacreBLEU and chrF.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -30,6 +31,7 @@ from model import (
     Transformer,
     TransformerConfig,
     transformer_beam_search,
+    transformer_ensemble_beam_search,
     upgrade_params,
 )
 from model.decoding import STOPPING_RULES
@@ -123,11 +125,17 @@ class Translator:
   reuses its compiled program. Results are gathered to every process.
   """
 
-  def __init__(self, model: Transformer, tokenizer: input_pipeline.Tokenizer,
+  def __init__(self, model: Transformer | list[Transformer], tokenizer: input_pipeline.Tokenizer,
                decode_config: ml_collections.ConfigDict, mesh: Mesh, *,
                beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
                batch_tokens: int | None = None, stopping: str | None = None,
-               details: bool = False):
+               details: bool = False, weights: list[float] | None = None):
+    # A list of models is an ensemble: call with a list of their parameters.
+    self.models = list(model) if isinstance(model, list | tuple) else None
+    model = self.models[0] if self.models else model
+    if self.models:
+      model = dataclasses.replace(model, config=dataclasses.replace(
+          model.config, max_len=min(m.config.max_len for m in self.models)))
     self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
     self.details = details
     self._pieces = tokenizer.pieces()
@@ -151,10 +159,13 @@ class Translator:
 
     def search(params, inputs, max_length, prefix=None):
       self.traces += 1
-      return transformer_beam_search(
-          model, params, inputs, beam_size=self.beam_size, alpha=self.alpha,
-          max_length=max_length, max_extra_length=self.max_extra_length, nbest=nbest,
-          stopping=self.stopping, token_log_probs=details, prefix=prefix)
+      settings = dict(beam_size=self.beam_size, alpha=self.alpha, max_length=max_length,
+                      max_extra_length=self.max_extra_length, nbest=nbest,
+                      stopping=self.stopping, token_log_probs=details, prefix=prefix)
+      if self.models:
+        return transformer_ensemble_beam_search(self.models, params, inputs, weights=weights,
+                                                **settings)
+      return transformer_beam_search(model, params, inputs, **settings)
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))

@@ -6,6 +6,7 @@ from model.decoding import (
     length_penalty,
     sample,
     transformer_beam_search,
+    transformer_ensemble_beam_search,
     transformer_greedy_search,
     transformer_sample,
 )
@@ -31,6 +32,6 @@ __all__ = [
     'EOS_ID', 'PAD_ID', 'UNK_ID', 'Decoder', 'DecoderLayer', 'Encoder', 'EncoderLayer',
     'FeedForward', 'MultiHeadAttention', 'Transformer', 'TransformerConfig', 'beam_search',
     'count_params', 'greedy_search', 'length_penalty', 'sample', 'shift_right',
-    'sinusoidal_table', 'transformer_beam_search', 'transformer_greedy_search',
-    'transformer_sample', 'upgrade_params',
+    'sinusoidal_table', 'transformer_beam_search', 'transformer_ensemble_beam_search',
+    'transformer_greedy_search', 'transformer_sample', 'upgrade_params',
 ]

@@ -211,3 +211,17 @@ def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
   stderr = result.stderr.decode()
   assert result.returncode == 1 and 'one line per source line' in stderr, stderr
   assert 'Traceback' not in stderr
+
+
+def test_an_ensemble_of_two_checkpoints_translates_and_bad_weights_are_one_line(workdir):
+  result = run_decode('--workdir', workdir, '--checkpoint', '12', '--input', '-', '--ensemble',
+                      f'{workdir}:8', '--ensemble_weights', '2,1', stdin=b'A dog.\n\nTwo men.\n')
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  lines = result.stdout.decode().split('\n')[:-1]
+  assert len(lines) == 3 and lines[1] == '' and lines[0]
+  assert 'an ensemble of' in result.stderr.decode()
+  result = run_decode('--workdir', workdir, '--input', '-', '--ensemble', f'{workdir}:8',
+                      '--ensemble_weights', '1', stdin=b'A dog.\n')
+  stderr = result.stderr.decode()
+  assert result.returncode == 1 and '1 weights for 2 models' in stderr, stderr
+  assert 'Traceback' not in stderr

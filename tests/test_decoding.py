@@ -499,3 +499,30 @@ def test_a_target_prefix_starts_the_output_and_the_search_continues_it_exactly()
     brute = log_probs / np.asarray(length_penalty(output_lengths(allowed), ALPHA))
     np.testing.assert_array_equal(seqs[i, 0], allowed[np.argmax(brute)])
     np.testing.assert_allclose(scores[i, 0], brute.max(), rtol=1e-5, atol=1e-5)
+
+
+def test_an_ensemble_of_one_is_the_model_and_of_two_averages_log_probs(medium):
+  from model import transformer_ensemble_beam_search
+  model, params, inputs = medium
+  settings = dict(beam_size=4, nbest=2, max_length=16)
+  single = jax.device_get(jitted(transformer_beam_search, model, **settings)(params, inputs))
+  alone = jax.device_get(jax.jit(functools.partial(
+      transformer_ensemble_beam_search, [model], **settings))([params], inputs))
+  np.testing.assert_array_equal(alone[0], single[0])
+  np.testing.assert_allclose(alone[1], single[1], rtol=1e-5)
+
+  # A second member of another size, on the default (not CPU-tuned) path.
+  other, other_params = make_model(20, seed=7, scale=1.0, eos_bias=1.5, cpu_tuned=False)
+  other = Transformer(dataclasses.replace(other.config, d_model=48, num_heads=3))
+  other_params = jax.jit(other.init)(jax.random.key(7), inputs[:1], inputs[:1])['params']
+  weights = [0.75, 0.25]
+  seqs, scores = jax.device_get(jax.jit(functools.partial(
+      transformer_ensemble_beam_search, [model, other], weights=weights, **settings))(
+          [params, other_params], inputs))
+  check_well_formed(seqs)
+  for k in range(2):
+    mean = sum(w * forward_log_probs(m, p, inputs, seqs[:, k])
+               for w, m, p in zip(weights, (model, other), (params, other_params)))
+    penalties = np.asarray(length_penalty(output_lengths(seqs[:, k]), ALPHA))
+    np.testing.assert_allclose(scores[:, k], mean / penalties, rtol=1e-4, atol=1e-4)
+  assert (seqs[:, 0] != single[0][:, 0]).any()  # The second member changes the outputs.
