@@ -225,3 +225,22 @@ def test_an_ensemble_of_two_checkpoints_translates_and_bad_weights_are_one_line(
   stderr = result.stderr.decode()
   assert result.returncode == 1 and '1 weights for 2 models' in stderr, stderr
   assert 'Traceback' not in stderr
+
+
+def test_an_ensemble_member_with_another_tokenizer_is_refused(workdir, tmp_path):
+  import sentencepiece as spm
+
+  import decode
+  other = tmp_path / 'other_run'
+  shutil.copytree(workdir, other)
+  text = tmp_path / 'text.txt'
+  text.write_text('a dog runs\ntwo men talk\na woman sings\n' * 20, encoding='utf-8')
+  spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / 'spm'),
+                                 vocab_size=30, model_type='bpe', pad_id=0, eos_id=1, unk_id=2,
+                                 bos_id=-1, minloglevel=2)
+  shutil.copy(tmp_path / 'spm.model', other / 'tokenizer.model')
+  config, tokenizer, model = translation.load_run(workdir)
+  mesh = sharding.make_mesh()
+  params, origin = translation.load_params(workdir, mesh)
+  with pytest.raises(ValueError, match='has another tokenizer'):
+    decode.load_ensemble(str(other), None, tokenizer, mesh, model, params, origin)
