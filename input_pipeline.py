@@ -1135,7 +1135,9 @@ def length_batches(sides: dict[str, Sequence[np.ndarray]], max_batch_tokens: int
   count = len(next(iter(sides.values())))
   longest = [max(len(seqs[i]) for seqs in sides.values()) for i in range(count)]
   padded = [max(1, -(-n // length_multiple) * length_multiple) for n in longest]
-  order = np.argsort(np.array(padded, np.int64), kind='stable')
+  # By padded length, then by length: a batch's members end at more similar output lengths,
+  # and a batch runs as long as its longest output.
+  order = np.lexsort((np.array(longest, np.int64), np.array(padded, np.int64)))
   def padded_rows(count: int) -> int:
     rows = max(row_multiple, 1 << (count - 1).bit_length())
     return -(-rows // row_multiple) * row_multiple

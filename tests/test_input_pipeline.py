@@ -592,8 +592,9 @@ def test_length_batches_single_side_and_length_multiple():
   rng = np.random.default_rng(0)
   seqs = [_seq(rng, n) for n in (5, 17, 3, 16, 9)]
   batches = ip.length_batches({'inputs': seqs}, max_batch_tokens=64, length_multiple=16)
+  # Within a padded length, shortest first (lengths 3, 5, 9, 16).
   assert [(idx.tolist(), a['inputs'].shape) for idx, a in batches] == [
-      ([0, 2, 3, 4], (4, 16)), ([1], (1, 32))]
+      ([2, 0, 4, 3], (4, 16)), ([1], (1, 32))]
 
 
 @needs_multi30k
