@@ -115,9 +115,13 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
   """A validated `ctranslate2.specs.TransformerSpec` holding `params` (float32) and the
   vocabulary `pieces` (in id order; PAD_ID's piece starts decoding, EOS_ID's ends it)."""
   import ctranslate2
-  if config.activation != 'relu' or config.attention_probs != 'softmax':
-    raise ValueError(f'CTranslate2 runs ReLU softmax Transformers; this run has activation '
-                     f'{config.activation!r}, attention_probs {config.attention_probs!r}.')
+  if (config.activation, config.attention_probs, config.attention_score,
+      config.linear_attention) != ('relu', 'softmax', 'scaled_dot', False):
+    raise ValueError(
+        f'CTranslate2 runs the paper\'s attention (scaled dot-product, softmax) and ReLU; this '
+        f'run has activation {config.activation!r}, attention_probs {config.attention_probs!r}, '
+        f'attention_score {config.attention_score!r}, linear_attention '
+        f'{config.linear_attention}.')
   specs = ctranslate2.specs
   spec = specs.TransformerSpec.from_config(
       (config.num_encoder_layers, config.num_decoder_layers), config.num_heads,

@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from model.cpu_rows import on_rows
 
@@ -115,10 +114,12 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
   new = {name: jax.lax.dynamic_update_slice_in_dim(
       layer_cache[name], update.transpose(0, 2, 3, 1), step * beam, axis=3)
       for name, update in (('self_keys', keys), ('self_values', values))}
-  head_dim = keys.shape[-1]
-  query = on_rows(attention.query, x) / np.sqrt(head_dim).astype(x.dtype)
-  logits = jnp.einsum('bhqd,bhdk->bhqk', query.transpose(0, 2, 1, 3), new['self_keys'],
-                      preferred_element_type=jnp.float32)
+  query = on_rows(attention.query, x)  # [batch, beam, heads, head_dim]
+  if attention.config.attention_score == 'additive':
+    logits = attention.additive_scores(query.transpose(0, 2, 1, 3), new['self_keys'])
+  else:
+    logits = jnp.einsum('bhqd,bhdk->bhqk', attention.score_query(query).transpose(0, 2, 1, 3),
+                        new['self_keys'], preferred_element_type=jnp.float32)
   weights = attention.weights(logits, mask)
   context = jnp.einsum('bhdk,bhqk->bhdq', new['self_values'], weights)
   return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new

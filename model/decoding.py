@@ -369,10 +369,10 @@ def sample(step_fn: StepFn, cache: Any, rng: Array, *, batch_size: int, max_leng
 
 
 def _reorder_transformer_cache(cache: dict[str, Any], parents: Array) -> dict[str, Any]:
-  """Gathers the self-attention keys/values [batch, beam, ...]; the rest is per sentence."""
-  layers = [{**layer, 'self_keys': gather_beams(layer['self_keys'], parents),
-             'self_values': gather_beams(layer['self_values'], parents)}
-            for layer in cache['layers']]
+  """Gathers the self-attention entries [batch, beam, ...] (keys/values, or linear attention's
+  state); the rest is per sentence."""
+  layers = [{name: gather_beams(value, parents) if name.startswith('self_') else value
+             for name, value in layer.items()} for layer in cache['layers']]
   return {**cache, 'layers': layers}
 
 
@@ -400,7 +400,7 @@ def transformer_search_setup(model: Transformer, params: Any, inputs: Array, wid
   settings = dict(batch_size=inputs.shape[0], max_length=max_length,
                   length_limits=jnp.minimum(limits, max_length))
   variables = {'params': params}
-  cpu_tuned = config.use_cpu_tuned
+  cpu_tuned = config.use_cpu_decoding
   cache_length = min(cpu_decoding.CHUNK_LENGTH, max_length) if cpu_tuned else max_length
   cache = model.apply(variables, inputs, method=lambda m, x: m.init_decode_cache(
       m.encode(x), x, width, cache_length))
@@ -466,7 +466,7 @@ def transformer_ensemble_beam_search(models: list[Transformer], params: list[Any
                      min(m.config.max_len for m in models))
   members = [transformer_search_setup(m, p, inputs, beam_size, max_length, max_extra_length)
              for m, p in zip(models, params)]
-  cpu_tuned = [m.config.use_cpu_tuned for m in models]
+  cpu_tuned = [m.config.use_cpu_decoding for m in models]
   total = sum(weights)
 
   def step_fn(tokens, step, caches):

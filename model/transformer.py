@@ -21,14 +21,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import cpu_decoding
+from model import cpu_decoding, linear_attention
 from model.cpu_dropout import HashDropout
 from model.cpu_layer_norm import LayerNorm as CpuLayerNorm
 from model.cpu_rows import on_rows
@@ -42,6 +42,8 @@ Cache = dict[str, Any]
 # Maps attention logits [..., keys] to attention weights; 'softmax' is the paper's.
 ATTENTION_PROBS: dict[str, Callable[[Array], Array]] = {'softmax': jax.nn.softmax}
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {'relu': nn.relu, 'gelu': nn.gelu}
+# How a query and a key give an attention logit (`MultiHeadAttention.scores`).
+ATTENTION_SCORES = ('scaled_dot', 'dot', 'bilinear', 'additive')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,13 @@ class TransformerConfig:
   positional: str = 'sinusoidal'  # 'sinusoidal' (the paper) or 'learned'.
   activation: str = 'relu'
   attention_probs: str = 'softmax'  # A key of ATTENTION_PROBS.
+  # One of ATTENTION_SCORES: 'scaled_dot' q.k/sqrt(head_dim) (the paper), 'dot' q.k, 'bilinear'
+  # q^T W k, 'additive' v^T tanh(q + k) (Bahdanau's, on the projected q and k: memory grows
+  # as batch * heads * q_len * k_len * head_dim).
+  attention_score: str = 'scaled_dot'
+  # Linear attention (model/linear_attention.py) in every attention instead of a probability
+  # map of scores; decoding then keeps a constant-size state instead of a growing cache.
+  linear_attention: bool = False
   layer_norm_epsilon: float = 1e-6
   dtype: Any = jnp.float32  # Compute dtype, e.g. jnp.bfloat16 or 'bfloat16'.
   param_dtype: Any = jnp.float32
@@ -88,6 +97,16 @@ class TransformerConfig:
       raise ValueError(
           f'attention_probs must be one of {sorted(ATTENTION_PROBS)}, '
           f'got {self.attention_probs!r}.')
+    if self.attention_score not in ATTENTION_SCORES:
+      raise ValueError(f'attention_score must be one of {list(ATTENTION_SCORES)}, '
+                       f'got {self.attention_score!r}.')
+    if self.linear_attention and (self.attention_probs, self.attention_score) != (
+        'softmax', 'scaled_dot'):
+      raise ValueError('linear_attention replaces the attention scores and probabilities: leave '
+                       "attention_probs='softmax' and attention_score='scaled_dot' with it.")
+    if self.linear_attention and self.attention_dropout_rate:
+      raise ValueError('linear_attention has no attention weights to drop out: set '
+                       'attention_dropout_rate=0.')
     if self.positional == 'sinusoidal' and self.d_model % 2:
       raise ValueError(f'sinusoidal positions need an even d_model, got {self.d_model}.')
 
@@ -112,6 +131,11 @@ class TransformerConfig:
     if self.cpu_tuned is None:
       return jax.default_backend() == 'cpu'
     return self.cpu_tuned
+
+  @property
+  def use_cpu_decoding(self) -> bool:
+    """Decoding with model/cpu_decoding.py's cache (softmax-family attention only)."""
+    return self.use_cpu_tuned and not self.linear_attention
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
@@ -175,6 +199,38 @@ def attention_mask(query_tokens: Array, key_tokens: Array,
   return mask
 
 
+class LinearMask(NamedTuple):
+  """What linear attention needs instead of a [q_len, k_len] mask (model/linear_attention.py).
+
+  query_segments [batch, q_len] and key_segments [batch, k_len] int: 0 at padding, else the
+  packed segment id (1 for every token of an unpacked row); `causal` and `packed` as there.
+  """
+
+  query_segments: Array
+  key_segments: Array
+  causal: bool
+  packed: bool
+
+
+def segment_ids(tokens: Array, segmentation: Array | None) -> Array:
+  """[batch, length] int32: 0 at padding, else the token's segment (1 in unpacked rows)."""
+  real = tokens > 0
+  if segmentation is None:
+    return real.astype(jnp.int32)
+  return jnp.where(real, segmentation, 0).astype(jnp.int32)
+
+
+def make_mask(config: TransformerConfig, query_tokens: Array, key_tokens: Array,
+              query_segmentation: Array | None = None, key_segmentation: Array | None = None,
+              causal: bool = False) -> Array | LinearMask:
+  """`attention_mask`, or with `config.linear_attention` its `LinearMask`."""
+  if config.linear_attention:
+    return LinearMask(segment_ids(query_tokens, query_segmentation),
+                      segment_ids(key_tokens, key_segmentation), causal,
+                      packed=query_segmentation is not None)
+  return attention_mask(query_tokens, key_tokens, query_segmentation, key_segmentation, causal)
+
+
 # The switchable primitives: the paper's operation, or its CPU-tuned twin.
 
 
@@ -197,7 +253,8 @@ def dense_apply(config: TransformerConfig, layer: Callable[[Array], Array], x: A
 
 
 class MultiHeadAttention(nn.Module):
-  """Multi-head scaled dot-product attention (Section 3.2.2)."""
+  """Multi-head scaled dot-product attention (Section 3.2.2), or another score, probability
+  map or linear attention as the config chooses."""
 
   config: TransformerConfig
 
@@ -215,18 +272,57 @@ class MultiHeadAttention(nn.Module):
         features=c.d_model, axis=(-2, -1), dtype=c.dtype, param_dtype=c.param_dtype,
         kernel_init=nn.initializers.xavier_uniform())
     self.attention_dropout = dropout(c, c.attention_dropout_rate)
+    if c.attention_score == 'bilinear':  # q^T W k per head; starts as the scaled dot-product.
+      self.score_kernel = self.param(
+          'score_kernel', lambda _, shape, dtype: jnp.broadcast_to(
+              jnp.eye(c.head_dim, dtype=dtype) / np.sqrt(c.head_dim), shape),
+          (c.num_heads, c.head_dim, c.head_dim), c.param_dtype)
+    elif c.attention_score == 'additive':  # v^T tanh(q + k) per head.
+      self.score_vector = self.param(
+          'score_vector', nn.initializers.normal(stddev=c.head_dim**-0.5),
+          (c.num_heads, c.head_dim), c.param_dtype)
 
   def project_keys_values(self, x: Array) -> tuple[Array, Array]:
     """[batch, length, d_model] -> keys, values [batch, length, heads, head_dim]."""
     return dense_apply(self.config, self.key, x), dense_apply(self.config, self.value, x)
 
-  def attend(self, x: Array, keys: Array, values: Array, mask: Array, train: bool) -> Array:
+  def score_query(self, query: Array) -> Array:
+    """The query that a dot product with the keys turns into logits, for the dot-product
+    scores: q/sqrt(head_dim), q, or W^T q (bilinear). query: [..., heads, head_dim]."""
+    c = self.config
+    if c.attention_score == 'scaled_dot':
+      return query / np.sqrt(c.head_dim).astype(query.dtype)
+    if c.attention_score == 'bilinear':
+      return jnp.einsum('...hd,hde->...he', query, self.score_kernel.astype(query.dtype))
+    return query
+
+  def additive_scores(self, query: Array, keys: Array) -> Array:
+    """v^T tanh(q + k): query [batch, heads, q_len, head_dim], keys [batch, heads, head_dim,
+    k_len] -> float32 logits [batch, heads, q_len, k_len]."""
+    hidden = jnp.tanh(query[..., None].astype(jnp.float32) + keys[:, :, None].astype(jnp.float32))
+    return jnp.einsum('bhqdk,hd->bhqk', hidden, self.score_vector.astype(jnp.float32))
+
+  def scores(self, query: Array, keys: Array) -> Array:
+    """Attention logits, float32 [batch, heads, q_len, k_len].
+
+    Args:
+      query: [batch, q_len, heads, head_dim], projected.
+      keys: [batch, k_len, heads, head_dim], projected.
+    """
+    if self.config.attention_score == 'additive':
+      return self.additive_scores(query.transpose(0, 2, 1, 3), keys.transpose(0, 2, 3, 1))
+    return jnp.einsum('bqhd,bkhd->bhqk', self.score_query(query), keys,
+                      preferred_element_type=jnp.float32)
+
+  def attend(self, x: Array, keys: Array, values: Array, mask: Array | LinearMask,
+             train: bool) -> Array:
     """Queries from x [batch, q_len, d_model] attend to projected keys/values.
 
     Args:
       x: [batch, q_len, d_model].
       keys, values: [batch, k_len, heads, head_dim].
-      mask: bool, broadcastable to [batch, heads, q_len, k_len].
+      mask: bool, broadcastable to [batch, heads, q_len, k_len] (`LinearMask` with linear
+        attention).
       train: enables attention dropout.
     Returns:
       [batch, q_len, d_model].
@@ -234,16 +330,17 @@ class MultiHeadAttention(nn.Module):
     c = self.config
     query = dense_apply(c, self.query, x)
     use_dropout = train and c.attention_dropout_rate > 0
-    if c.attention_probs == 'softmax' and not use_dropout:
+    if c.linear_attention:
+      context = linear_attention.attention(query, keys, values, *mask).astype(c.dtype)
+    elif c.attention_probs == 'softmax' and c.attention_score == 'scaled_dot' and not use_dropout:
       # Logits and softmax in float32 for any input dtype. implementation=None is XLA's own
       # lowering of the same einsums on every backend; 'cudnn' selects cuDNN's fused kernel
       # (GPU, bf16/fp16 inputs only).
       context = jax.nn.dot_product_attention(query, keys, values, mask=mask,
                                              implementation=c.attention_implementation)
     else:
-      logits = jnp.einsum('bqhd,bkhd->bhqk', query, keys,
-                          preferred_element_type=jnp.float32) / np.sqrt(c.head_dim)
-      weights = self.attention_dropout(self.weights(logits, mask), deterministic=not use_dropout)
+      weights = self.attention_dropout(self.weights(self.scores(query, keys), mask),
+                                       deterministic=not use_dropout)
       context = jnp.einsum('bhqk,bkhd->bqhd', weights, values)
     return dense_apply(c, self.out, context, feature_dims=2)
 
@@ -274,7 +371,29 @@ class MultiHeadAttention(nn.Module):
     out = self.attend(rows(x)[:, None], rows(keys), rows(values), mask, train=False)
     return out.reshape(x.shape), keys, values
 
-  def __call__(self, x: Array, context: Array, mask: Array, train: bool) -> Array:
+  def linear_step(self, x: Array, state: Array) -> tuple[Array, Array]:
+    """Linear self-attention of one decoding step: adds its key/value to the state, then reads.
+
+    Args:
+      x: [batch, beam, d_model], this step's inputs of every hypothesis.
+      state: [batch, beam, heads, head_dim, head_dim + 1] (model/linear_attention.py).
+    Returns:
+      [batch, beam, d_model] and the new state.
+    """
+    keys, values = self.project_keys_values(x)
+    state = linear_attention.add_to_state(state, keys, values)
+    return self.linear_read(x, state), state
+
+  def linear_read(self, x: Array, state: Array) -> Array:
+    """Linear attention of x [batch, beam, d_model] over a summed state: [batch, beam, heads,
+    head_dim, head_dim + 1] (self-attention) or [batch, heads, ...] (the source's, shared)."""
+    c = self.config
+    if state.ndim == 4:
+      state = state[:, None]
+    context = linear_attention.read(dense_apply(c, self.query, x), state).astype(c.dtype)
+    return dense_apply(c, self.out, context, feature_dims=2)
+
+  def __call__(self, x: Array, context: Array, mask: Array | LinearMask, train: bool) -> Array:
     keys, values = self.project_keys_values(context)
     return self.attend(x, keys, values, mask, train)
 
@@ -363,7 +482,9 @@ class DecoderLayer(nn.Module):
       [batch, beam, d_model] and the updated layer cache.
     """
     new_cache = dict(layer_cache)
-    cpu_tuned = self.config.use_cpu_tuned
+    cpu_tuned = self.config.use_cpu_decoding
+    if self.config.linear_attention:
+      return self.linear_step(y, layer_cache)
 
     def self_attend(z):
       if cpu_tuned:
@@ -385,6 +506,19 @@ class DecoderLayer(nn.Module):
     y = self.cross_attention_sublayer(
         y, lambda z: self.cross_attention.attend(z, cross_keys, cross_values, cross_mask, False),
         False)
+    return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
+
+  def linear_step(self, y: Array, layer_cache: Cache) -> tuple[Array, Cache]:
+    """`step` with linear attention: layer_cache holds 'self_state' and 'cross_state'."""
+    new_cache = dict(layer_cache)
+
+    def self_attend(z):
+      out, new_cache['self_state'] = self.self_attention.linear_step(z, layer_cache['self_state'])
+      return out
+
+    y = self.self_attention_sublayer(y, self_attend, False)
+    y = self.cross_attention_sublayer(
+        y, lambda z: self.cross_attention.linear_read(z, layer_cache['cross_state']), False)
     return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
 
 
@@ -508,7 +642,7 @@ class Transformer(nn.Module):
     self._check_length(inputs.shape[1], 'Source')
     if inputs_positions is None:
       inputs_positions = _default_positions(inputs, inputs_segmentation)
-    mask = attention_mask(inputs, inputs, inputs_segmentation, inputs_segmentation)
+    mask = make_mask(self.config, inputs, inputs, inputs_segmentation, inputs_segmentation)
     x = self._embed(inputs, inputs_positions, source=True, train=train)
     return self.encoder(x, mask, train)
 
@@ -528,9 +662,10 @@ class Transformer(nn.Module):
       targets_positions = _default_positions(targets, targets_segmentation)
     decoder_inputs = shift_right(targets, targets_segmentation)
     # Masks come from `targets`, not the decoder inputs: the start symbol shares id 0 with pad.
-    self_mask = attention_mask(targets, targets, targets_segmentation, targets_segmentation,
-                               causal=True)
-    cross_mask = attention_mask(targets, inputs, targets_segmentation, inputs_segmentation)
+    self_mask = make_mask(self.config, targets, targets, targets_segmentation,
+                          targets_segmentation, causal=True)
+    cross_mask = make_mask(self.config, targets, inputs, targets_segmentation,
+                           inputs_segmentation)
     y = self._embed(decoder_inputs, targets_positions, source=False, train=train)
     return self._logits(self.decoder(y, encoded, self_mask, cross_mask, train))
 
@@ -563,12 +698,20 @@ class Transformer(nn.Module):
       {'encoder_mask': [batch, src_len] bool, 'layers': per decoder layer 'self_keys',
       'self_values' [batch, beam, max_length, heads, head_dim] and 'cross_keys',
       'cross_values' [batch, src_len, heads, head_dim]}; CPU-tuned, `cpu_decoding.init_cache`'s
-      layout.
+      layout; with linear attention 'self_state' [batch, beam, heads, head_dim, head_dim + 1]
+      and 'cross_state' [batch, heads, head_dim, head_dim + 1], whatever `max_length`.
     """
     self._check_length(max_length, 'Decoding')
     c = self.config
     cross = self.decoder.cross_keys_values(encoded)
-    if c.use_cpu_tuned:
+    if c.linear_attention:
+      self_state = linear_attention.initial_state((inputs.shape[0], beam_size), c.num_heads,
+                                                  c.head_dim)
+      layers = [dict(self_state=self_state,
+                     cross_state=linear_attention.summed_state(keys, values, inputs > 0))
+                for keys, values in cross]
+      return {'encoder_mask': inputs > 0, 'layers': layers}
+    if c.use_cpu_decoding:
       return cpu_decoding.init_cache(cross, inputs > 0, beam_size, max_length, c.num_heads,
                                      c.head_dim, c.dtype)
     empty = jnp.zeros((inputs.shape[0], beam_size, max_length, c.num_heads, c.head_dim),
@@ -587,7 +730,9 @@ class Transformer(nn.Module):
     Returns:
       logits [batch, beam, vocab] float32 and the updated cache.
     """
-    if self.config.use_cpu_tuned:
+    if self.config.linear_attention:
+      self_mask = None  # The states hold exactly what each hypothesis reads.
+    elif self.config.use_cpu_decoding:
       self_mask, cache = cpu_decoding.self_attention_mask(cache, step)
     else:
       steps = cache['layers'][0]['self_keys'].shape[2]

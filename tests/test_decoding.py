@@ -28,7 +28,7 @@ ALPHA = 0.6
 
 
 def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = -3.0,
-               cpu_tuned: bool | None = None):
+               cpu_tuned: bool | None = None, **overrides):
   """A small random model whose outputs depend on the source and end at varied lengths.
 
   All kernels and embeddings are scaled up (peakier distributions), and the last decoder
@@ -37,7 +37,7 @@ def make_model(vocab: int, seed: int = 0, scale: float = 2.0, eos_bias: float = 
   """
   config = TransformerConfig(vocab_size=vocab, d_model=32, num_heads=4, d_ff=64,
                              num_encoder_layers=2, num_decoder_layers=2, dropout_rate=0.0,
-                             max_len=64, cpu_tuned=cpu_tuned)
+                             max_len=64, cpu_tuned=cpu_tuned, **overrides)
   model = Transformer(config)
   dummy = jnp.ones((1, 4), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(seed), dummy, dummy)['params']

@@ -136,4 +136,6 @@ def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(tiny_run, 
        '--output', str(tmp_path / 'gelu')], cwd=REPO, capture_output=True, timeout=300)
   stderr = result.stderr.decode()
   assert result.returncode == 1 and 'Traceback' not in stderr, stderr
-  assert stderr.strip().splitlines()[-1].startswith('error: CTranslate2 runs ReLU'), stderr
+  last_line = stderr.strip().splitlines()[-1]
+  assert last_line.startswith("error: CTranslate2 runs the paper's attention"), stderr
+  assert "activation 'gelu'" in last_line, stderr
