@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import cpu_decoding, linear_attention
+from model import cpu_decoding, linear_attention, probability_maps
 from model.cpu_dropout import HashDropout
 from model.cpu_layer_norm import LayerNorm as CpuLayerNorm
 from model.cpu_rows import on_rows
@@ -39,8 +39,11 @@ UNK_ID = 2
 
 Array = jax.Array
 Cache = dict[str, Any]
-# Maps attention logits [..., keys] to attention weights; 'softmax' is the paper's.
-ATTENTION_PROBS: dict[str, Callable[[Array], Array]] = {'softmax': jax.nn.softmax}
+# Maps attention logits [..., keys] to attention weights; 'softmax' is the paper's, the others
+# give exact zeros (model/probability_maps.py).
+ATTENTION_PROBS: dict[str, Callable[[Array], Array]] = {
+    'softmax': jax.nn.softmax, 'sparsemax': probability_maps.sparsemax,
+    'entmax15': probability_maps.entmax15}
 ACTIVATIONS: dict[str, Callable[[Array], Array]] = {'relu': nn.relu, 'gelu': nn.gelu}
 # How a query and a key give an attention logit (`MultiHeadAttention.scores`).
 ATTENTION_SCORES = ('scaled_dot', 'dot', 'bilinear', 'additive')

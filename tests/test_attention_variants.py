@@ -1,5 +1,6 @@
 """Tests of the attention variants beside the paper's: dot-product without scaling, bilinear
-and additive scores, and linear attention (model/linear_attention.py)."""
+and additive scores, sparsemax and 1.5-entmax (model/probability_maps.py), and linear
+attention (model/linear_attention.py)."""
 
 import itertools
 
@@ -28,12 +29,14 @@ from test_model import (
   small_config,
 )
 
-from model import EOS_ID, length_penalty, linear_attention, transformer_beam_search
+from model import EOS_ID, Transformer, length_penalty, linear_attention, transformer_beam_search
 
 VARIANTS = {
     'dot': dict(attention_score='dot'),
     'bilinear': dict(attention_score='bilinear'),
     'additive': dict(attention_score='additive'),
+    'sparsemax': dict(attention_probs='sparsemax'),
+    'entmax15': dict(attention_probs='entmax15'),
     'linear': dict(linear_attention=True),
 }
 # One layer each (compiling dominates); slow-marked cases repeat what a fast one checks of a
@@ -131,8 +134,8 @@ def _with_weights_of(tree, source):
 
 
 @pytest.mark.parametrize('variant', [
-    pytest.param(name, marks=[] if name in ('linear', 'additive') else pytest.mark.slow)
-    for name in VARIANTS])
+    pytest.param(name, marks=[] if name in ('linear', 'additive', 'sparsemax') else
+                 pytest.mark.slow) for name in VARIANTS])
 def test_variant_is_causal_padding_invariant_and_packs(variant):
   config = small_config(dropout_rate=0.0, **ONE_LAYER, **VARIANTS[variant])
   params, forward = init_params(config), make_forward(config)
@@ -164,8 +167,9 @@ def test_variant_is_causal_padding_invariant_and_packs(variant):
 
 @pytest.mark.parametrize('variant, cpu_tuned', [
     # CPU-tuned decoding computes the scores its own way; linear attention never uses it.
-    pytest.param(name, cpu_tuned, marks=[] if cpu_tuned != (name == 'linear') else
-                 pytest.mark.slow) for name in VARIANTS for cpu_tuned in (True, False)])
+    pytest.param(name, cpu_tuned, marks=[] if cpu_tuned != (name == 'linear') and
+                 name != 'sparsemax' else pytest.mark.slow)
+    for name in VARIANTS for cpu_tuned in (True, False)])
 def test_variant_cached_decoding_matches_forward(variant, cpu_tuned):
   config = small_config(cpu_tuned=cpu_tuned, **ONE_LAYER, **VARIANTS[variant])
   params, forward = init_params(config), make_forward(config)
@@ -182,6 +186,29 @@ def test_variant_cached_decoding_matches_forward(variant, cpu_tuned):
   for t in range(length):
     logits = decoder.step(decoder_inputs[:, :, t], t)
     assert max_abs(logits, full[:, :, t]) < 1e-4, f'step {t}'
+
+
+@pytest.mark.parametrize('variant', [
+    pytest.param(name, marks=[] if name in ('entmax15', 'linear') else pytest.mark.slow)
+    for name in VARIANTS])
+def test_variant_trains(variant):
+  """Gradients of the training loss (dropout on) are finite and move every parameter."""
+  config = small_config(**ONE_LAYER, **VARIANTS[variant])
+  params = init_params(config)
+  rng = np.random.default_rng(7)
+  inputs, targets = random_tokens(rng, SRC), random_tokens(rng, TGT)
+  model = Transformer(config)
+
+  def loss(params):
+    logits = model.apply({'params': params}, inputs, targets, train=True,
+                         rngs={'dropout': jax.random.key(0)})
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1))
+
+  grads = jax.jit(jax.grad(loss))(params)
+  for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+    grad = np.asarray(grad)
+    assert np.all(np.isfinite(grad)), path
+    assert np.any(grad != 0), path
 
 
 def test_linear_attention_decoding_state_does_not_grow():
