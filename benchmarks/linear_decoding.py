@@ -47,7 +47,8 @@ def main():
     params = jax.jit(model.init)(jax.random.key(0), dummy, dummy)['params']
     for length in lengths:
       search = jax.jit(functools.partial(transformer_beam_search, model, beam_size=BEAM,
-                                         alpha=0.6, max_length=length, force_full_length=True))
+                                         alpha=0.6, max_length=length, max_extra_length=length,
+                                         force_full_length=True))
       timing = measure(search, (params, inputs), args.repeats)
       rows.append(dict(attention=name, output_length=length,
                        ms_per_step=1000 * timing['best_s'] / length,

@@ -109,8 +109,22 @@ def attention(query: Array, keys: Array, values: Array, query_segments: Array,
   return read(query, state) * query_valid
 
 
+def weights(query: Array, keys: Array, mask: Array) -> Array:
+  """The attention weights linear attention implies: phi(q).phi(k), normalised over the allowed
+  keys; float32 [batch, heads, q_len, k_len] (rows of no allowed key are 0).
+
+  Args:
+    query: [batch, q_len, heads, head_dim]; keys: [batch, k_len, heads, head_dim].
+    mask: bool, broadcastable to [batch, heads, q_len, k_len].
+  """
+  scores = jnp.einsum('bqhd,bkhd->bhqk', feature_map(query), feature_map(keys))
+  scores = jnp.where(mask, scores, 0.0)
+  total = jnp.sum(scores, axis=-1, keepdims=True)
+  return scores / jnp.where(total > 0, total, 1.0)
+
+
 def quadratic_attention(query: Array, keys: Array, values: Array, mask: Array) -> Array:
-  """The same attention computed through the [q_len, k_len] weight matrix (for tests).
+  """The same attention computed through its [q_len, k_len] weights (for tests and pictures).
 
   Args:
     query: [batch, q_len, heads, head_dim]; keys, values: [batch, k_len, heads, head_dim].
@@ -118,11 +132,7 @@ def quadratic_attention(query: Array, keys: Array, values: Array, mask: Array) -
   Returns:
     [batch, q_len, heads, head_dim] float32.
   """
-  scores = jnp.einsum('bqhd,bkhd->bhqk', feature_map(query), feature_map(keys))
-  scores = jnp.where(mask, scores, 0.0)
-  total = jnp.sum(scores, axis=-1, keepdims=True)
-  weights = scores / jnp.where(total > 0, total, 1.0)
-  return jnp.einsum('bhqk,bkhd->bqhd', weights, values.astype(jnp.float32))
+  return jnp.einsum('bhqk,bkhd->bqhd', weights(query, keys, mask), values.astype(jnp.float32))
 
 
 def initial_state(shape: tuple[int, ...], heads: int, head_dim: int) -> Array:

@@ -214,6 +214,14 @@ class LinearMask(NamedTuple):
   causal: bool
   packed: bool
 
+  def dense(self) -> Array:
+    """The same as a bool mask [batch, 1, q_len, k_len]."""
+    query, key = self.query_segments, self.key_segments
+    mask = (query[:, None, :, None] == key[:, None, None, :]) & (query > 0)[:, None, :, None]
+    if self.causal:
+      mask &= jnp.arange(query.shape[1])[:, None] >= jnp.arange(key.shape[1])[None, :]
+    return mask
+
 
 def segment_ids(tokens: Array, segmentation: Array | None) -> Array:
   """[batch, length] int32: 0 at padding, else the token's segment (1 in unpacked rows)."""
@@ -333,17 +341,26 @@ class MultiHeadAttention(nn.Module):
     c = self.config
     query = dense_apply(c, self.query, x)
     use_dropout = train and c.attention_dropout_rate > 0
+    # apply(..., mutable=['intermediates']) records every attention's weights as
+    # 'attention_weights' [batch, heads, q_len, k_len] (plot_attention.py draws them).
+    record = self.is_mutable_collection('intermediates')
     if c.linear_attention:
       context = linear_attention.attention(query, keys, values, *mask).astype(c.dtype)
-    elif c.attention_probs == 'softmax' and c.attention_score == 'scaled_dot' and not use_dropout:
+      if record:
+        self.sow('intermediates', 'attention_weights',
+                 linear_attention.weights(query, keys, mask.dense()))
+    elif (c.attention_probs == 'softmax' and c.attention_score == 'scaled_dot' and
+          not use_dropout and not record):
       # Logits and softmax in float32 for any input dtype. implementation=None is XLA's own
       # lowering of the same einsums on every backend; 'cudnn' selects cuDNN's fused kernel
       # (GPU, bf16/fp16 inputs only).
       context = jax.nn.dot_product_attention(query, keys, values, mask=mask,
                                              implementation=c.attention_implementation)
     else:
-      weights = self.attention_dropout(self.weights(self.scores(query, keys), mask),
-                                       deterministic=not use_dropout)
+      weights = self.weights(self.scores(query, keys), mask)
+      if record:
+        self.sow('intermediates', 'attention_weights', weights)
+      weights = self.attention_dropout(weights, deterministic=not use_dropout)
       context = jnp.einsum('bhqk,bkhd->bqhd', weights, values)
     return dense_apply(c, self.out, context, feature_dims=2)
 
