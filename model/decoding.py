@@ -400,20 +400,20 @@ def transformer_search_setup(model: Transformer, params: Any, inputs: Array, wid
   settings = dict(batch_size=inputs.shape[0], max_length=max_length,
                   length_limits=jnp.minimum(limits, max_length))
   variables = {'params': params}
-  cpu_tuned = config.use_cpu_decoding
-  cache_length = min(cpu_decoding.CHUNK_LENGTH, max_length) if cpu_tuned else max_length
+  cpu_cache = config.use_cpu_decoding  # cpu_decoding's cache (not with linear attention).
+  cache_length = min(cpu_decoding.CHUNK_LENGTH, max_length) if cpu_cache else max_length
   cache = model.apply(variables, inputs, method=lambda m, x: m.init_decode_cache(
       m.encode(x), x, width, cache_length))
-  if cpu_tuned:
+  if cpu_cache:
     cache = cpu_decoding.barrier(cache)
     settings.update(chunk_length=cpu_decoding.CHUNK_LENGTH, grow_cache=cpu_decoding.grow_cache)
-    if beam:
-      settings.update(reorder_cache=cpu_decoding.reorder_cache,
-                      top_k_extensions=functools.partial(cpu_decoding.block_top_k_extensions,
-                                                         from_logits=True))
-  elif beam:
-    settings.update(reorder_cache=_reorder_transformer_cache)
-  logits_only = cpu_tuned and beam
+  if beam:
+    settings.update(reorder_cache=(cpu_decoding.reorder_cache if cpu_cache
+                                   else _reorder_transformer_cache))
+  logits_only = config.use_cpu_tuned and beam
+  if logits_only:
+    settings.update(top_k_extensions=functools.partial(cpu_decoding.block_top_k_extensions,
+                                                       from_logits=True))
 
   def step_fn(tokens, step, cache):
     logits, cache = model.apply(variables, tokens, step, cache, method='decode_step')
