@@ -1,9 +1,10 @@
 """Checkpoints of a training run with orbax: save, verified restore with fallback, averaging.
 
 A checkpoint holds three items: `params`, `optimizer` (optimizer state and training RNG) and
-`meta` (step, data-iterator position, skip counters, and a checksum of every saved array) as
-JSON. Orbax writes each step to a temporary folder and renames it when complete, so a crash
-mid-write never leaves a checkpoint that looks complete.
+`meta` (step, data-iterator position, skip counters, keep-best state, and a checksum of every
+saved array) as JSON; and with `optimizer.ema_decay`, a fourth, `ema` (the moving average of
+the parameters). Orbax writes each step to a temporary folder and renames it when complete,
+so a crash mid-write never leaves a checkpoint that looks complete.
 
 Every restore (training, decoding, averaging, `--init_params_from`) goes through
 `read_checkpoint`: it compares the saved shapes with the model's (a mismatch is the user's
@@ -20,7 +21,9 @@ Averaging (the paper averaged the last 5 checkpoints of base models, 20 of big o
 
   python checkpoints.py --workdir runs/multi30k [--average_last N]
 
-writes `WORKDIR/averaged/` which `decode.py --checkpoint averaged` reads.
+writes `WORKDIR/averaged/` which `decode.py --checkpoint averaged` reads. Training with
+`eval.keep_best_metric` writes `WORKDIR/best/` (`--checkpoint best`) the same way; `--checkpoint
+ema` reads the newest checkpoint's moving average.
 """
 
 from __future__ import annotations
@@ -43,6 +46,9 @@ import console
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
+BEST_DIR = 'best'
+# What --checkpoint names besides a step number.
+NAMED_CHECKPOINTS = ('averaged', 'best', 'ema')
 T = TypeVar('T')
 
 
@@ -150,20 +156,23 @@ def make_manager(workdir: str, max_to_keep: int | None = None,
       max_to_keep=max_to_keep, enable_async_checkpointing=not read_only, read_only=read_only,
       create=not read_only, cleanup_tmp_directories=not read_only)
   return ocp.CheckpointManager(os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR)),
-                               options=options, item_names=('params', 'optimizer', 'meta'))
+                               options=options,
+                               item_names=('params', 'optimizer', 'meta', 'ema'))
 
 
 def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state: Any,
-         meta: dict[str, Any]) -> None:
+         meta: dict[str, Any], ema: Any = None) -> None:
   """Starts an asynchronous save of `step` (call `manager.wait_until_finished()` before exit).
 
-  The arrays' checksums are computed first and saved in `meta`.
+  The arrays' checksums are computed first and saved in `meta`. `ema`: the parameters' moving
+  average, if training keeps one.
   """
-  meta = dict(meta, checksums={'params': checksums(params),
-                               'optimizer': checksums(optimizer_state)})
+  items = {'params': params, 'optimizer': optimizer_state}
+  if ema is not None:
+    items['ema'] = ema
+  meta = dict(meta, checksums={name: checksums(tree) for name, tree in items.items()})
   manager.save(step, args=ocp.args.Composite(
-      params=ocp.args.StandardSave(params),
-      optimizer=ocp.args.StandardSave(optimizer_state),
+      **{name: ocp.args.StandardSave(tree) for name, tree in items.items()},
       meta=ocp.args.JsonSave(meta)), force=True)
   logging.info('Saving checkpoint at step %d.', step)
 
@@ -357,20 +366,22 @@ def _set_aside(workdir: str, step: int) -> str:
   return aside
 
 
-def restore_latest(workdir: str, abstract_params: Any,
-                   abstract_optimizer_state: Any) -> tuple[Any, Any, dict[str, Any]] | None:
-  """Training's restore: (params, optimizer_state, meta) of the newest intact checkpoint in the
-  given shapes and shardings, or None when there is none. Damaged ones are set aside;
+def restore_latest(workdir: str, abstract_params: Any, abstract_optimizer_state: Any,
+                   abstract_ema: Any = None) -> tuple[Any, Any, dict[str, Any], Any] | None:
+  """Training's restore: (params, optimizer_state, meta, ema) of the newest intact checkpoint in
+  the given shapes and shardings, or None when there is none. `ema` is None unless
+  `abstract_ema` is given and the checkpoint has one. Damaged ones are set aside;
   checkpoints that do not fit (another model or optimizer config) raise
   CheckpointMismatchError, naming the differences, and nothing is changed."""
   if not os.path.isdir(os.path.join(workdir, CHECKPOINT_DIR)):
     return None
 
   def read(step):
+    targets = {'params': abstract_params, 'optimizer': abstract_optimizer_state}
+    if abstract_ema is not None and os.path.isdir(os.path.join(step_path(workdir, step), 'ema')):
+      targets['ema'] = abstract_ema
     try:
-      restored = read_checkpoint(step_path(workdir, step),
-                                 {'params': abstract_params, 'optimizer': abstract_optimizer_state},
-                                 step=step)
+      restored = read_checkpoint(step_path(workdir, step), targets, step=step)
     except CheckpointMismatchError as error:
       cause = (' (optimizer settings such as grad_clip_norm or weight_decay change the layout '
                'of the optimizer state)' if str(error).startswith('optimizer') else '')
@@ -380,7 +391,7 @@ def restore_latest(workdir: str, abstract_params: Any,
           'the run was made with (its config.json), or start a new --workdir; add '
           f'--init_params_from={workdir} there to start from these parameters with a fresh '
           'optimizer state.') from None
-    return restored['params'], restored['optimizer'], restored['meta']
+    return restored['params'], restored['optimizer'], restored['meta'], restored.get('ema')
 
   found = restore_newest(workdir, read, set_aside=True)
   return None if found is None else found[1]
@@ -425,33 +436,63 @@ def average_last(workdir: str, num_checkpoints: int) -> tuple[Any, list[int]]:
   return averaged, sorted(steps)
 
 
+def save_params_folder(workdir: str, name: str, params: Any, meta: dict[str, Any]) -> str:
+  """Writes WORKDIR/NAME/ as one checkpoint item `params` plus `meta` with its checksums (as a
+  training checkpoint), replacing what was there; returns the folder. Every process calls it
+  with the same (global or host) parameters."""
+  path = epath.Path(os.path.abspath(os.path.join(workdir, name)))
+  if isinstance(jax.tree_util.tree_leaves(params)[0], np.ndarray):
+    recorded = checksums(jax.device_put(params, _local_sharding()))
+  else:
+    recorded = checksums(params)
+  meta = dict(meta, checksums={'params': recorded})
+  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+  checkpointer.save(path, ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                             meta=ocp.args.JsonSave(meta)), force=True)
+  return str(path)
+
+
 def save_averaged(workdir: str, num_checkpoints: int) -> list[int]:
   """Averages the newest intact checkpoints into WORKDIR/averaged/ (params, and meta with
   their checksums, as in a training checkpoint)."""
   params, steps = average_last(workdir, num_checkpoints)
-  path = epath.Path(os.path.abspath(os.path.join(workdir, AVERAGED_DIR)))
-  meta = {'averaged_steps': steps,
-          'checksums': {'params': checksums(jax.device_put(params, _local_sharding()))}}
-  checkpointer = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-  checkpointer.save(path, ocp.args.Composite(params=ocp.args.StandardSave(params),
-                                             meta=ocp.args.JsonSave(meta)), force=True)
+  path = save_params_folder(workdir, AVERAGED_DIR, params, {'averaged_steps': steps})
   logging.info('Averaged steps %s into %s.', steps, path)
   return steps
 
 
-def _read_averaged(workdir: str, target: Any) -> Any:
-  path = os.path.abspath(os.path.join(workdir, AVERAGED_DIR))
+def _read_params_folder(workdir: str, name: str, target: Any) -> tuple[Any, dict[str, Any]]:
+  """The params and meta of WORKDIR/averaged/ or WORKDIR/best/, verified."""
+  path = os.path.abspath(os.path.join(workdir, name))
   if not os.path.isdir(path):
-    raise FileNotFoundError(f'No averaged checkpoint at {path}: run `python checkpoints.py '
-                            f'--workdir {workdir} --average_last N` first.')
+    how = (f'run `python checkpoints.py --workdir {workdir} --average_last N` first'
+           if name == AVERAGED_DIR else 'train with eval.keep_best_metric set')
+    raise FileNotFoundError(f'No {name} checkpoint at {path}: {how}.')
   try:
     if not os.path.isdir(os.path.join(path, 'params')):  # Earlier code: params only, no meta.
-      return _restore_item(path, target)
-    return read_checkpoint(path, {'params': target})['params']
+      return _restore_item(path, target), {}
+    restored = read_checkpoint(path, {'params': target})
+    return restored['params'], restored['meta']
   except DamagedCheckpointError as error:
-    raise DamagedCheckpointError(
-        f'The averaged checkpoint {path} is damaged ({error}): average again with `python '
-        f'checkpoints.py --workdir {workdir}`.') from None
+    how = (f'average again with `python checkpoints.py --workdir {workdir}`'
+           if name == AVERAGED_DIR else 'decode a step instead')
+    raise DamagedCheckpointError(f'The {name} checkpoint {path} is damaged ({error}): '
+                                 f'{how}.') from None
+
+
+def _read_ema(workdir: str, target: Any) -> tuple[Any, str]:
+  """The moving average of the newest intact checkpoint that has one."""
+  with_ema = [s for s in saved_steps(workdir) if os.path.isdir(os.path.join(
+      step_path(workdir, s), 'ema'))]
+  if not with_ema:
+    raise FileNotFoundError(f'No checkpoint in {os.path.join(workdir, CHECKPOINT_DIR)} holds a '
+                            'moving average of the parameters: train with optimizer.ema_decay.')
+  found = restore_newest(workdir, lambda step: read_checkpoint(
+      step_path(workdir, step), {'ema': target}, step=step)['ema'], steps=with_ema)
+  if found is None:
+    raise DamagedCheckpointError(f'Every checkpoint with a moving average in {workdir} is '
+                                 f'damaged (steps {with_ema}).')
+  return found[1], f'moving average at step {found[0]}'
 
 
 def load_params(workdir: str, checkpoint: str | int | None = None, average: int = 0,
@@ -460,7 +501,8 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
 
   Args:
     workdir: the training run's workdir.
-    checkpoint: None = the newest intact checkpoint, a step number, or 'averaged'.
+    checkpoint: None = the newest intact checkpoint, a step number, 'averaged', 'best' (the
+      best by the validation metric), or 'ema' (the newest moving average).
     average: if > 0, the mean of the newest `average` intact checkpoints instead.
     target: a Sharding to lay every array out by (default: one local device), or an abstract
       tree whose names and shapes the saved parameters must match (CheckpointMismatchError).
@@ -478,14 +520,22 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
       raise CheckpointMismatchError(f'params: {"; ".join(differences)}')
     return (jax.device_put(params, jax.tree_util.tree_map(lambda t: t.sharding, target)),
             f'average of steps {steps}')
-  if checkpoint == 'averaged':
-    return _read_averaged(workdir, target), f'averaged checkpoint {workdir}/{AVERAGED_DIR}'
+  if checkpoint == AVERAGED_DIR:
+    return (_read_params_folder(workdir, AVERAGED_DIR, target)[0],
+            f'averaged checkpoint {workdir}/{AVERAGED_DIR}')
+  if checkpoint == BEST_DIR:
+    params, meta = _read_params_folder(workdir, BEST_DIR, target)
+    return params, (f'best checkpoint (step {meta.get("step")}, {meta.get("metric")} '
+                    f'{meta.get("value")})')
   checkpoint_dir = os.path.join(workdir, CHECKPOINT_DIR)
   steps = saved_steps(workdir)
   if not steps:
     raise FileNotFoundError(f'No checkpoints in {checkpoint_dir}: train first.')
+  if checkpoint == 'ema':
+    return _read_ema(workdir, target)
   if checkpoint is not None and not str(checkpoint).isdigit():
-    raise ValueError(f"--checkpoint must be a step number or 'averaged', got {checkpoint!r}.")
+    raise ValueError(f"--checkpoint must be a step number or one of {list(NAMED_CHECKPOINTS)}, "
+                     f'got {checkpoint!r}.')
   if checkpoint is None:
     found = restore_newest(workdir, lambda step: restore_params(workdir, step, target))
     if found is None:

@@ -3,7 +3,7 @@
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
       [--stopping exact|early] [--output_format text|json] [--target_prefix prefixes.txt] \
-      [--checkpoint STEP | --checkpoint averaged | --average_last N] \
+      [--checkpoint STEP | --checkpoint averaged|best|ema | --average_last N] \
       [--ensemble RUN2[:STEP|:averaged],RUN3 [--ensemble_weights 1,1,1]]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
@@ -124,12 +124,13 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
 
 def load_ensemble(members: str, weights: str | None, tokenizer: Any, mesh: Any, model: Any,
                   params: Any, origin: str) -> tuple[list, list, str, list[float]]:
-  """The --workdir model followed by each of `members` ('RUN', 'RUN:STEP' or 'RUN:averaged',
-  comma-separated), their parameters, where they came from and their weights."""
+  """The --workdir model followed by each of `members` ('RUN', 'RUN:STEP', 'RUN:averaged',
+  'RUN:best' or 'RUN:ema', comma-separated), their parameters, where they came from and their
+  weights."""
   models, trees, origins = [model], [params], [origin]
   for member in filter(None, (m.strip() for m in members.split(','))):
     run, _, checkpoint = member.rpartition(':')
-    if not run or not (checkpoint.isdigit() or checkpoint == 'averaged'):
+    if not run or not (checkpoint.isdigit() or checkpoint in checkpoints.NAMED_CHECKPOINTS):
       run, checkpoint = member, None
     _, member_tokenizer, member_model = translation.load_run(run)
     if member_tokenizer.fingerprint != tokenizer.fingerprint:
@@ -189,7 +190,8 @@ def define_flags():
   flags.DEFINE_enum('stopping', None, ['exact', 'early'],
                     "When a sentence's search ends (default: the run config): 'exact' once no "
                     "live hypothesis can win, 'early' once none would by ending next step.")
-  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest if unset.")
+  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best' (by the validation "
+                      "metric), 'ema' (the newest moving average), or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
   sharding.define_distributed_flags()
 

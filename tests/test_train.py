@@ -365,14 +365,20 @@ def _final_params(workdir):
 
 
 @needs_multi30k
-def test_resume_equals_uninterrupted_run(tmp_path):
-  """Also: metrics.jsonl holds each step once. Before, the rows of steps after the last
+def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+  """With the moving average of the parameters and the keep-best / early-stopping state.
+  Also: metrics.jsonl holds each step once. Before, the rows of steps after the last
   checkpoint were written again by the resumed run."""
+  real_evaluate = train.evaluate  # On two validation batches: the test is about resuming.
+  monkeypatch.setattr(train, 'evaluate', lambda fn, params, batches, mesh: real_evaluate(
+      fn, params, batches[:2], mesh))
   config = small_config({'model.dropout_rate': 0.1, 'eval.bleu_sentences': 0,
                          'num_train_steps': 16, 'checkpoint_every_steps': 4,
-                         'eval.every_steps': 1000})
+                         'eval.every_steps': 4, 'optimizer.ema_decay': 0.9,
+                         'eval.keep_best_metric': 'loss', 'eval.early_stopping_patience': 50})
   straight = tmp_path / 'straight'
-  train.train_and_evaluate(config, str(straight))
+  result = train.train_and_evaluate(config, str(straight))
+  assert result['step'] == 16 and not result['early_stopped']
   # Checkpoints at 4, 8, 12, 16; the config keeps the newest 3.
   assert checkpoints.saved_steps(str(straight)) == [8, 12, 16]
 
@@ -387,12 +393,22 @@ def test_resume_equals_uninterrupted_run(tmp_path):
   shutil.rmtree(interrupted / 'checkpoints' / '10')
   with open(interrupted / 'metrics.jsonl', 'a', encoding='utf-8') as f:
     f.write('{"step": 11, "train_lo')
-  result = train.train_and_evaluate(config, str(interrupted))
-  assert result['step'] == 16
+  resumed = train.train_and_evaluate(config, str(interrupted))
+  assert resumed['step'] == 16
   _assert_trees_close(_final_params(straight), _final_params(interrupted), atol=1e-6)
+  ema, ema_resumed = (jax.device_get(checkpoints.load_params(str(run), 'ema')[0])
+                      for run in (straight, interrupted))
+  _assert_trees_close(ema, ema_resumed, atol=1e-6)
+  assert resumed['best'] == result['best'] and result['best']['step'] in (4, 8, 12, 16)
   rows = [json.loads(line) for line in open(interrupted / 'metrics.jsonl', encoding='utf-8')]
   assert [r['step'] for r in rows if 'train_loss' in r] == [5, 10, 15, 16]
   assert [r['step'] for r in rows if 'num_params' in r] == [0]
+  assert [r['best_step'] for r in rows if 'best_step' in r][-1] == result['best']['step']
+  # best/ holds the moving average of the best step (decode.py --checkpoint best).
+  best, origin = checkpoints.load_params(str(interrupted), 'best')
+  assert f"step {result['best']['step']}" in origin
+  if result['best']['step'] == 16:
+    _assert_trees_close(jax.device_get(best), ema, atol=1e-6)
 
 
 @needs_multi30k

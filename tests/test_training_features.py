@@ -1,0 +1,92 @@
+"""Training features around the loop: the parameters' moving average (EMA), keeping the best
+checkpoint by a validation metric, and early stopping (resuming with them: test_train.py's
+test_resume_equals_uninterrupted_run)."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+from test_train import _assert_trees_close, needs_multi30k, random_batch, small_config
+
+import checkpoints
+import sharding
+import train
+from model import Transformer, TransformerConfig
+
+
+def test_ema_follows_its_formula_step_by_step():
+  config = small_config({'optimizer.ema_decay': 0.8, 'model.vocab_size': 40})
+  mesh = sharding.make_mesh('')
+  model = Transformer(TransformerConfig(**config.model))
+  optimizer = train.make_optimizer(config)
+  init = functools.partial(train.init_train_state, model, optimizer, ema=True)
+  shardings = sharding.state_shardings(jax.eval_shape(init, jax.random.PRNGKey(0)), mesh)
+  state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(0))
+  step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
+  expected = jax.device_get(state['params'])
+  rng = np.random.default_rng(0)
+  for step in range(1, 5):
+    batch = random_batch(rng, config.data.batch_size, 12, 40)
+    state, _ = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
+    rate = min(0.8, (1 + step) / (10 + step))  # The ramp: 0.18, 0.25, 0.31, 0.36 here.
+    params = jax.device_get(state['params'])
+    expected = jax.tree_util.tree_map(lambda e, p, r=rate: r * e + (1 - r) * p, expected, params)
+    _assert_trees_close(jax.device_get(state['ema_params']), expected, atol=1e-6)
+  # The average lags the parameters: the check can fail.
+  difference = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) for a, b in zip(
+      jax.tree_util.tree_leaves(jax.device_get(state['ema_params'])),
+      jax.tree_util.tree_leaves(params)))
+  assert difference > 1e-4
+
+
+def test_training_feature_config_errors():
+  mesh = sharding.make_mesh('')
+  for change, message in (({'optimizer.ema_decay': 1.0}, 'ema_decay must be in'),
+                          ({'eval.keep_best_metric': 'ter'}, 'keep_best_metric must be'),
+                          ({'eval.keep_best_metric': 'bleu', 'eval.bleu_sentences': 0},
+                           'needs BLEU evaluations'),
+                          ({'eval.early_stopping_patience': 3}, 'early_stopping_patience'),
+                          ({'eval.early_stopping_patience': -1}, 'early_stopping_patience')):
+    with pytest.raises(train.ConfigError, match=message):
+      train.validate_config(small_config(change), mesh)
+
+
+@needs_multi30k
+def test_early_stop_after_patience_evaluations_is_reproducible(tmp_path, monkeypatch):
+  """Validation losses rigged to improve until step 4, then get worse: with patience 2 and an
+  evaluation every 2 steps, training stops at step 8, best at step 4; a rerun stays stopped."""
+  losses = {2: 3.0, 4: 2.5, 6: 2.6, 8: 2.55, 10: 2.0}
+  real_evaluate = train.evaluate
+  steps_seen = []
+
+  def rigged(eval_fn, params, batches, mesh):
+    metrics = real_evaluate(eval_fn, params, batches[:1], mesh)
+    steps_seen.append(len(steps_seen) * 2 + 2)
+    return dict(metrics, eval_nll=losses[steps_seen[-1]])
+
+  monkeypatch.setattr(train, 'evaluate', rigged)
+  config = small_config({'num_train_steps': 20, 'checkpoint_every_steps': 4,
+                         'eval.every_steps': 2, 'eval.bleu_sentences': 0,
+                         'eval.keep_best_metric': 'loss', 'eval.early_stopping_patience': 2})
+  workdir = tmp_path / 'run'
+  result = train.train_and_evaluate(config, str(workdir))
+  assert result['early_stopped'] and result['step'] == 8
+  assert result['best'] == {'value': 2.5, 'step': 4, 'stale': 2}
+  assert checkpoints.saved_steps(str(workdir))[-1] == 8
+  best, origin = checkpoints.load_params(str(workdir), 'best')
+  assert 'step 4' in origin
+  _assert_trees_close(jax.device_get(best), jax.device_get(
+      checkpoints.restore_params(str(workdir), 4)), atol=0)
+  again = train.train_and_evaluate(config, str(workdir))
+  assert again['early_stopped'] and again['step'] == 8 and len(steps_seen) == 4
+
+
+def test_named_checkpoints_missing_are_clear_errors(tmp_path):
+  (tmp_path / 'checkpoints' / '4').mkdir(parents=True)
+  with pytest.raises(FileNotFoundError, match='train with eval.keep_best_metric'):
+    checkpoints.load_params(str(tmp_path), 'best')
+  with pytest.raises(FileNotFoundError, match='optimizer.ema_decay'):
+    checkpoints.load_params(str(tmp_path), 'ema')
+  with pytest.raises(ValueError, match="one of \\['averaged', 'best', 'ema'\\]"):
+    checkpoints.load_params(str(tmp_path), 'newest')
