@@ -45,12 +45,15 @@ import input_pipeline
 import sharding
 import translation
 import workdir_lock
-from model import Transformer, TransformerConfig, count_params
+from model import Transformer, count_params, make_model
 
 FLAGS = flags.FLAGS
 # Exit code of a run stopped by SIGTERM/SIGINT after saving a checkpoint: resumable
 # (sysexits' EX_TEMPFAIL, "try again later").
 EXIT_INTERRUPTED = 75
+# eval.keep_best_metric -> (the validation metric it reads, whether higher is better).
+BEST_METRICS = {'': (None, True), 'bleu': ('eval_bleu', True), 'chrf': ('eval_chrf', True),
+                'loss': ('eval_nll', False)}
 BATCH_KEYS = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
               'inputs_positions', 'targets_positions')
 
@@ -62,7 +65,7 @@ class ConfigError(ValueError):
 def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   """Catches user mistakes with a clear message before anything is compiled."""
   try:
-    TransformerConfig(**config.model)
+    make_model(config.model)
   except (TypeError, ValueError) as error:
     raise ConfigError(f'config.model: {error}') from None
   data, optimizer = config.data, config.optimizer
@@ -111,14 +114,29 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if not 0 < optimizer.learning_rate_scale < float('inf'):
     raise ConfigError(f'optimizer.learning_rate_scale must be positive and finite, got '
                       f'{optimizer.learning_rate_scale}.')
+  if not 0 <= optimizer.ema_decay < 1:
+    raise ConfigError(f'optimizer.ema_decay must be in [0, 1) (0: no moving average), got '
+                      f'{optimizer.ema_decay}.')
+  metric, patience = config.eval.keep_best_metric, config.eval.early_stopping_patience
+  if metric not in BEST_METRICS:
+    raise ConfigError(f"eval.keep_best_metric must be '' or one of {sorted(BEST_METRICS)[1:]}, "
+                      f'got {metric!r}.')
+  if metric in ('bleu', 'chrf') and config.eval.bleu_sentences == 0:
+    raise ConfigError(f'eval.keep_best_metric={metric!r} needs BLEU evaluations: set '
+                      'eval.bleu_sentences > 0.')
+  if patience < 0 or (patience and not metric):
+    raise ConfigError(f'eval.early_stopping_patience={patience}: give 0 (never stop early), or '
+                      'a positive count with eval.keep_best_metric set.')
 
 
 # ----------------------------------------------------------------------------- optimisation
 
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """The paper's rate: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) * scale, step from 1."""
-  scale = config.optimizer.learning_rate_scale * config.model.d_model**-0.5
+  """The paper's rate: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) * scale, step from 1
+  (the RNN's hidden_dim in place of d_model)."""
+  width = config.model.d_model if 'd_model' in config.model else config.model.hidden_dim
+  scale = config.optimizer.learning_rate_scale * width**-0.5
   warmup = config.optimizer.warmup_steps
 
   def schedule(count):
@@ -192,14 +210,27 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
 
 
 def init_train_state(model: Transformer, optimizer: optax.GradientTransformation,
-                     rng: jax.Array) -> dict[str, Any]:
-  """Step 0: fresh parameters, optimizer state, the run's RNG and the skip counters."""
+                     rng: jax.Array, ema: bool = False) -> dict[str, Any]:
+  """Step 0: fresh parameters, optimizer state, the run's RNG and the skip counters; with
+  `ema`, the moving average of the parameters ('ema_params', starting at them)."""
   dummy = jnp.ones((1, 8), jnp.int32)
   params = model.init(rng, dummy, dummy)['params']
-  return {'step': jnp.zeros((), jnp.int32), 'params': params,
-          'opt_state': optimizer.init(params), 'rng': rng,
-          'nonfinite_in_a_row': jnp.zeros((), jnp.int32),
-          'nonfinite_total': jnp.zeros((), jnp.int32)}
+  state = {'step': jnp.zeros((), jnp.int32), 'params': params,
+           'opt_state': optimizer.init(params), 'rng': rng,
+           'nonfinite_in_a_row': jnp.zeros((), jnp.int32),
+           'nonfinite_total': jnp.zeros((), jnp.int32)}
+  if ema:
+    state['ema_params'] = jax.tree_util.tree_map(jnp.copy, params)
+  return state
+
+
+def ema_update(ema_params: Any, params: Any, step: jax.Array, decay: float) -> Any:
+  """The moving average after `step` (counted from 1) updates: decay ramps up as
+  min(decay, (1 + step) / (10 + step)), so early averages are not dominated by the random
+  initial parameters."""
+  step = step.astype(jnp.float32)
+  rate = jnp.minimum(decay, (1 + step) / (10 + step))
+  return jax.tree_util.tree_map(lambda e, p: rate * e + (1 - rate) * p, ema_params, params)
 
 
 def training_loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *,
@@ -218,8 +249,8 @@ def training_loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *,
 
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Transformer,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule,
-               label_smoothing: float,
-               grad_accum_steps: int) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+               label_smoothing: float, grad_accum_steps: int,
+               ema_decay: float = 0.0) -> tuple[dict[str, Any], dict[str, jax.Array]]:
   """One optimizer update on a global batch [batch, length]; gradient accumulation inside.
 
   The loss is normalised by the number of real target tokens of the whole batch, so
@@ -273,6 +304,9 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Tra
       'nonfinite_in_a_row': jnp.where(finite, 0, state['nonfinite_in_a_row'] + 1),
       'nonfinite_total': state['nonfinite_total'] + (~finite).astype(jnp.int32),
   }
+  if ema_decay:
+    new_state['ema_params'] = ema_update(state['ema_params'], new_params, new_state['step'],
+                                         ema_decay)
   metrics = dict(sums, grad_norm=grad_norm, finite=finite, learning_rate=learning_rate,
                  nonfinite_in_a_row=new_state['nonfinite_in_a_row'])
   return new_state, metrics
@@ -286,7 +320,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model: Transformer,
       functools.partial(train_step, model=model, optimizer=optimizer,
                         schedule=learning_rate_schedule(config),
                         label_smoothing=config.optimizer.label_smoothing,
-                        grad_accum_steps=config.optimizer.grad_accum_steps),
+                        grad_accum_steps=config.optimizer.grad_accum_steps,
+                        ema_decay=config.optimizer.ema_decay),
       in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
       donate_argnums=(0,))
   return step_fn, batch_sharding
@@ -421,9 +456,10 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
 
   A fresh state takes its parameters from `init_params_from` when given ('RUN_DIR',
   'RUN_DIR:STEP' or 'RUN_DIR:averaged'; its optimizer state and step start anew).
-  Returns (state, its shardings, the data iterator's saved position or None).
+  Returns (state, its shardings, the restored checkpoint's meta or None when fresh).
   """
-  init_state = functools.partial(init_train_state, model, optimizer)
+  ema = config.optimizer.ema_decay > 0
+  init_state = functools.partial(init_train_state, model, optimizer, ema=ema)
   rng = jax.random.PRNGKey(config.seed)
   shardings = sharding.state_shardings(jax.eval_shape(init_state, rng), mesh)
   state = jax.jit(init_state, out_shardings=shardings)(rng)
@@ -432,7 +468,8 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   restored = checkpoints.restore_latest(
       workdir, abstract_params,
       sharding.with_shardings({k: state[k] for k in optimizer_keys},
-                              {k: shardings[k] for k in optimizer_keys}))
+                              {k: shardings[k] for k in optimizer_keys}),
+      abstract_ema=abstract_params if ema else None)
   if restored is None:
     if init_params_from:
       run, _, checkpoint = init_params_from.partition(':')
@@ -447,12 +484,19 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
     return state, shardings, None
   if init_params_from:
     logging.warning('%s has checkpoints: resuming them; --init_params_from is ignored.', workdir)
-  params, optimizer_item, meta = restored
+  params, optimizer_item, meta, ema_params = restored
   state.update(params=params, **optimizer_item, step=jnp.asarray(meta['step'], jnp.int32),
                nonfinite_total=jnp.asarray(meta.get('nonfinite_total', 0), jnp.int32),
                nonfinite_in_a_row=jnp.asarray(meta.get('nonfinite_in_a_row', 0), jnp.int32))
+  if ema:
+    if ema_params is None:
+      logging.warning('Checkpoint %d has no moving average (it was saved without '
+                      'optimizer.ema_decay): the average starts from its parameters.',
+                      meta['step'])
+      ema_params = jax.tree_util.tree_map(jnp.copy, params)
+    state['ema_params'] = ema_params
   logging.info('Resumed from step %d.', meta['step'])
-  return state, shardings, meta['data_state']
+  return state, shardings, meta
 
 
 def whole_data_state(train_iter: input_pipeline.TrainIterator) -> dict[str, Any]:
@@ -557,11 +601,12 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
 
   # Model, optimizer, and the state from the newest checkpoint or fresh: before anything in
   # the workdir changes, so a config that does not fit the checkpoints changes nothing.
-  model = Transformer(TransformerConfig(**config.model))
+  model = make_model(config.model)
   optimizer = make_optimizer(config)
-  state, shardings, data_state = restore_or_init(config, model, optimizer, mesh, workdir,
-                                                 init_params_from)
-  if init_params_from and data_state is None:
+  state, shardings, meta = restore_or_init(config, model, optimizer, mesh, workdir,
+                                           init_params_from)
+  data_state = meta['data_state'] if meta else None
+  if init_params_from and meta is None:
     copy_tokenizer(init_params_from.partition(':')[0], workdir)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
@@ -597,12 +642,23 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   if start_step == 0:
     writer.write(0, {'num_params': num_params})
 
+  # Keep-best and early stopping: the best value of the metric so far, its step, and the
+  # evaluations since it improved; saved in every checkpoint's meta.
+  best_key, higher_is_better = BEST_METRICS[config.eval.keep_best_metric]
+  patience = config.eval.early_stopping_patience
+  best = dict((meta or {}).get('best') or {'value': None, 'step': None, 'stale': 0})
+  ema = 'ema_params' in state
+  if ema:
+    logging.info('Keeping a moving average of the parameters (decay %g); validation uses it.',
+                 config.optimizer.ema_decay)
+
   def save(step):
     meta = {'step': step, 'data_state': whole_data_state(train_iter),
             'nonfinite_total': int(state['nonfinite_total']),
-            'nonfinite_in_a_row': int(state['nonfinite_in_a_row'])}
+            'nonfinite_in_a_row': int(state['nonfinite_in_a_row']), 'best': best}
     checkpoints.save(manager, step, state['params'],
-                     {k: state[k] for k in ('opt_state', 'rng')}, meta)
+                     {k: state[k] for k in ('opt_state', 'rng')}, meta,
+                     ema=state['ema_params'] if ema else None)
 
   last_step = config.num_train_steps
   sync_each_step = sharding.one_program_in_flight(mesh)
@@ -613,7 +669,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   step = start_step
   logging.info('Training from step %d to %d.', start_step, last_step)
   stopped = stop_requests.stop_after(step)
-  while step < last_step and not stopped:
+  early_stopped = bool(patience) and best['stale'] >= patience  # A resumed early stop.
+  while step < last_step and not stopped and not early_stopped:
     batch = sharding.from_host_rows(next(train_iter), batch_sharding)
     state, metrics = step_fn(state, batch)
     if sync_each_step:
@@ -657,13 +714,28 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
     run_bleu = bleu_count > 0 and is_time(step, config.eval.bleu_every_steps, last_step)
     if run_eval or run_bleu:
       eval_metrics = {}
+      evaluated = state['ema_params'] if ema else state['params']
       if run_eval:
-        eval_metrics.update(evaluate(eval_fn, state['params'], eval_batches, mesh))
+        eval_metrics.update(evaluate(eval_fn, evaluated, eval_batches, mesh))
       if run_bleu:
-        eval_metrics.update(bleu_on_validation(translator, state['params'],
+        eval_metrics.update(bleu_on_validation(translator, evaluated,
                                                val_sources[:bleu_count], val_targets[:bleu_count]))
-      logging.info('eval at step %d: %s', step,
+      logging.info('eval at step %d%s: %s', step, ' (moving average)' if ema else '',
                    ', '.join(f'{k} {v:.4g}' for k, v in eval_metrics.items()))
+      if best_key in eval_metrics:
+        value = eval_metrics[best_key]
+        if best['value'] is None or (value > best['value'] if higher_is_better
+                                     else value < best['value']):
+          best.update(value=value, step=step, stale=0)
+          checkpoints.save_params_folder(
+              workdir, checkpoints.BEST_DIR, evaluated,
+              {'step': step, 'metric': best_key, 'value': value, 'ema': ema})
+          logging.info('New best %s %.4g at step %d: saved to %s.', best_key, value, step,
+                       os.path.join(workdir, checkpoints.BEST_DIR))
+        else:
+          best['stale'] += 1
+        eval_metrics.update({f'best_{best_key}': best['value'], 'best_step': best['step']})
+        early_stopped = bool(patience) and best['stale'] >= patience
       eval_metrics['wall_minutes'] = (time.time() - loop_start) / 60
       writer.write(step, eval_metrics)
       last_metrics.update(eval_metrics)
@@ -673,7 +745,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
       save(step)
     stopped = stop_requests.stop_after(step)
 
-  if stopped and (not manager.all_steps() or manager.latest_step() != step):
+  if (stopped or early_stopped) and (not manager.all_steps() or manager.latest_step() != step):
     save(step)
   manager.wait_until_finished()
   writer.close()
@@ -681,11 +753,15 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   if stopped:
     logging.warning('Stopped by signal at step %d with a checkpoint; rerun the same command to '
                     'resume (exit code %d).', step, EXIT_INTERRUPTED)
+  elif early_stopped:
+    logging.info('Stopped early at step %d: no improvement of %s in %d evaluations; best %.4g '
+                 'at step %d, in %s.', step, best_key, patience, best['value'], best['step'],
+                 os.path.join(workdir, checkpoints.BEST_DIR))
   else:
     logging.info('Done: step %d in %s; checkpoints in %s.', step,
                  console.format_duration(time.time() - loop_start), manager.directory)
   return {'state': state, 'metrics': last_metrics, 'step': step, 'stopped': stopped,
-          'translator': translator}
+          'early_stopped': early_stopped, 'best': best, 'translator': translator}
 
 
 # ----------------------------------------------------------------------------- command line

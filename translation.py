@@ -29,7 +29,7 @@ from configs import multi30k
 from model import (
     EOS_ID,
     Transformer,
-    TransformerConfig,
+    make_model,
     transformer_beam_search,
     transformer_ensemble_beam_search,
     upgrade_params,
@@ -94,7 +94,7 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, input_pipeline.To
   """The run's config, tokenizer and model: everything decoding needs but the parameters."""
   config = load_config(workdir)
   tokenizer = input_pipeline.load_tokenizer(os.path.join(workdir, 'tokenizer.model'))
-  return config, tokenizer, Transformer(TransformerConfig(**config.model))
+  return config, tokenizer, make_model(config.model)
 
 
 def use_compilation_cache(workdir: str) -> None:

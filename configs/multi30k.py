@@ -41,7 +41,8 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.data.shuffle_buffer = 65_536  # Packing window, in pairs.
   config.data.num_streams = 4  # Parts of the train split; each host runs num_streams / hosts.
 
-  # model.TransformerConfig(**config.model): every field of the model.
+  # model.make_model(config.model): every field of TransformerConfig (architecture
+  # 'transformer', the default; configs/multi30k_rnn.py: the RNN's).
   config.model = ml_collections.ConfigDict()
   config.model.vocab_size = 8000  # Joint sentencepiece BPE, trained to this size.
   config.model.d_model = 256
@@ -77,6 +78,9 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.optimizer.label_smoothing = 0.1
   config.optimizer.grad_accum_steps = 1
   config.optimizer.max_consecutive_nonfinite = 10
+  # Exponential moving average of the parameters (0 = none), e.g. 0.999: checkpointed with
+  # them, evaluated instead of them, decoded with `decode.py --checkpoint ema`.
+  config.optimizer.ema_decay = 0.0
 
   # Checkpoints and logging.
   config.checkpoint_every_steps = 250
@@ -89,6 +93,11 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.eval.every_steps = 250  # Loss, perplexity and accuracy on data.eval_split.
   config.eval.bleu_every_steps = 500
   config.eval.bleu_sentences = 256  # The first N of data.eval_split; 0: no BLEU.
+  # '' or 'bleu', 'chrf' (at each BLEU evaluation), 'loss' (validation NLL, at each
+  # evaluation): the best parameters by it go to WORKDIR/best/ (`decode.py --checkpoint best`).
+  config.eval.keep_best_metric = ''
+  # Stop after this many evaluations of keep_best_metric without improvement (0 = never).
+  config.eval.early_stopping_patience = 0
 
   # Beam search (decode.py and BLEU during training).
   config.decode = ml_collections.ConfigDict()

@@ -1,4 +1,8 @@
-"""The Transformer of "Attention Is All You Need" as pure functional Flax Linen modules."""
+"""The Transformer of "Attention Is All You Need" as pure functional Flax Linen modules, and
+the attentional RNN it replaced (`model/rnn.py`) with the same interface."""
+
+from collections.abc import Mapping
+from typing import Any
 
 from model.decoding import (
     beam_search,
@@ -10,6 +14,7 @@ from model.decoding import (
     transformer_greedy_search,
     transformer_sample,
 )
+from model.rnn import RNN, RNNConfig
 from model.transformer import (
     EOS_ID,
     PAD_ID,
@@ -28,10 +33,26 @@ from model.transformer import (
     upgrade_params,
 )
 
+ARCHITECTURES = ('transformer', 'rnn')
+
+
+def make_model(fields: Mapping[str, Any]) -> Transformer | RNN:
+  """The model a config's `model` group describes: its `architecture` ('transformer', the
+  default, or 'rnn') and the fields of TransformerConfig or RNNConfig."""
+  fields = dict(fields)
+  architecture = fields.pop('architecture', 'transformer')
+  if architecture == 'transformer':
+    return Transformer(TransformerConfig(**fields))
+  if architecture == 'rnn':
+    return RNN(RNNConfig(**fields))
+  raise ValueError(f'architecture must be one of {list(ARCHITECTURES)}, got {architecture!r}.')
+
+
 __all__ = [
-    'EOS_ID', 'PAD_ID', 'UNK_ID', 'Decoder', 'DecoderLayer', 'Encoder', 'EncoderLayer',
-    'FeedForward', 'MultiHeadAttention', 'Transformer', 'TransformerConfig', 'beam_search',
-    'count_params', 'greedy_search', 'length_penalty', 'sample', 'shift_right',
+    'ARCHITECTURES', 'EOS_ID', 'PAD_ID', 'RNN', 'UNK_ID', 'Decoder', 'DecoderLayer', 'Encoder',
+    'EncoderLayer', 'FeedForward', 'MultiHeadAttention', 'RNNConfig', 'Transformer',
+    'TransformerConfig', 'beam_search', 'count_params', 'greedy_search', 'length_penalty',
+    'make_model', 'sample', 'shift_right',
     'sinusoidal_table', 'transformer_beam_search', 'transformer_ensemble_beam_search',
     'transformer_greedy_search', 'transformer_sample', 'upgrade_params',
 ]

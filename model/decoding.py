@@ -369,11 +369,12 @@ def sample(step_fn: StepFn, cache: Any, rng: Array, *, batch_size: int, max_leng
 
 
 def _reorder_transformer_cache(cache: dict[str, Any], parents: Array) -> dict[str, Any]:
-  """Gathers the self-attention entries [batch, beam, ...] (keys/values, or linear attention's
-  state); the rest is per sentence."""
-  layers = [{name: gather_beams(value, parents) if name.startswith('self_') else value
-             for name, value in layer.items()} for layer in cache['layers']]
-  return {**cache, 'layers': layers}
+  """Gathers the entries named self_* [batch, beam, ...], at the top level and per layer (the
+  Transformer's self-attention keys/values or linear attention's state, the RNN's states);
+  the rest is per sentence."""
+  follow = lambda entries: {name: gather_beams(value, parents) if name.startswith('self_')
+                            else value for name, value in entries.items()}
+  return {**follow(cache), 'layers': [follow(layer) for layer in cache['layers']]}
 
 
 def transformer_search_setup(model: Transformer, params: Any, inputs: Array, width: int,
