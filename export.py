@@ -209,6 +209,9 @@ def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: st
     raise ValueError(f'--format must be one of {FORMATS}, got {format!r}.')
   if quantization and format != 'ctranslate2':
     raise ValueError('--quantization applies to --format ctranslate2 only.')
+  if translation.load_config(workdir).model.get('architecture', 'transformer') != 'transformer':
+    raise ValueError(f'{workdir} holds an RNN: export.py exports Transformers (decode.py '
+                     'translates with the RNN).')
   mesh = sharding.make_mesh(devices=jax.local_devices()[:1])
   params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
   params = jax.device_get(params)
@@ -224,7 +227,8 @@ def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config, tokenizer, checkpoints).')
   flags.DEFINE_string('output', None, 'Folder to write the exported model into.')
   flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to.')
-  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest if unset.")
+  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema', or the newest "
+                      'if unset.')
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
   flags.DEFINE_enum('platform', 'cpu', ['cpu', 'cuda', 'tpu'],
                     'What the exported jax programs run on (--format jax).')

@@ -15,7 +15,8 @@ instead (forced alignment). For sentence i, in --output_dir:
   i_attention.npz                  the weights [heads, queries, keys] of every attention and
                                    layer, and the pieces.
 Works for every attention variant of the config (softmax, sparsemax, entmax15, other scores,
-linear attention, whose weights are phi(q).phi(k) normalised).
+linear attention, whose weights are phi(q).phi(k) normalised) and for the RNN (its one
+attention, as i_cross_attention_layer0.png).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import console
 import input_pipeline
 import sharding
 import translation
-from model import EOS_ID, Transformer
+from model import EOS_ID, RNN, Transformer
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -47,9 +48,10 @@ ATTENTIONS = (('encoder_self_attention', ('encoder', 'self_attention'), 'source'
               ('cross_attention', ('decoder', 'cross_attention'), 'target', 'source'))
 
 
-def attention_weights(model: Transformer, params: Any, inputs: np.ndarray,
+def attention_weights(model: Transformer | RNN, params: Any, inputs: np.ndarray,
                       targets: np.ndarray) -> dict[str, list[np.ndarray]]:
-  """Every attention's weights in one teacher-forced pass.
+  """Every attention's weights in one teacher-forced pass (the RNN has only the cross
+  attention, one layer, one head).
 
   Args:
     inputs: [src_len] source ids (EOS included); targets: [tgt_len] target ids (EOS included).
@@ -60,6 +62,9 @@ def attention_weights(model: Transformer, params: Any, inputs: np.ndarray,
   _, state = model.apply({'params': params}, jnp.asarray(inputs)[None],
                          jnp.asarray(targets)[None], mutable=['intermediates'])
   recorded = state['intermediates']
+  if isinstance(model, RNN):  # One attention: the decoder's over the encoder states.
+    steps = recorded['decoder']['attention_weights'][0]  # [1, tgt_len, 1, src_len]
+    return {'cross_attention': [np.asarray(steps[0, :, 0], np.float32)[None]]}
   weights = {}
   for name, (side, module), _, _ in ATTENTIONS:
     layers = recorded[side]
@@ -128,7 +133,7 @@ def plot(workdir: str, sentences: list[str], output_dir: str, targets: list[str]
     weights = attention_weights(model, params, inputs, outputs)
     prefix = os.path.join(output_dir, f'{index}_')
     for name, _, queries, keys in ATTENTIONS:
-      for layer, layer_weights in enumerate(weights[name]):
+      for layer, layer_weights in enumerate(weights.get(name, [])):
         path = f'{prefix}{name}_layer{layer}.png'
         draw(layer_weights, labels[queries], labels[keys],
              f'{name.replace("_", " ")}, layer {layer}', path)

@@ -170,6 +170,7 @@ class DecoderCell(nn.Module):
     scores = attention_scores(c, x, memory_keys, self)
     scores = jnp.where(mask, scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1)  # [batch, n, src_len]
+    # apply(..., mutable=['intermediates']) records them, [batch, tgt_len, n, src_len].
     self.sow('intermediates', 'attention_weights', weights)
     context = jnp.einsum('bns,bsd->bnd', weights.astype(c.dtype), memory)
     attentional = jnp.tanh(nn.Dense(c.hidden_dim, use_bias=False, dtype=c.dtype,
@@ -208,7 +209,7 @@ class RNN(nn.Module):
     # The decoder cell scanned over target steps (one step in incremental decoding). Dropout
     # acts on its inputs (embeddings) and outputs (attentional vectors), outside the scan.
     self.decoder = nn.scan(DecoderCell, variable_broadcast='params',
-                           split_rngs={'params': False},
+                           split_rngs={'params': False}, variable_axes={'intermediates': 1},
                            in_axes=(1, nn.broadcast, nn.broadcast), out_axes=1)(c)
 
   def _check_length(self, length: int, what: str):

@@ -15,6 +15,7 @@ from test_train import needs_multi30k, small_config
 
 import checkpoints
 import decode
+import plot_attention
 import train
 from model import EOS_ID, RNN, RNNConfig, length_penalty, make_model, transformer_beam_search
 
@@ -177,3 +178,11 @@ def test_trains_averages_and_decodes_through_the_same_commands(tmp_path):
   decode.decode(workdir, input_path=str(source), output=str(output), checkpoint='averaged')
   lines = output.read_text(encoding='utf-8').split('\n')
   assert len(lines) == 4 and lines[2] == '' and os.path.getsize(output) > 0
+  # Its attention, drawn: rows over the source sum to 1.
+  written = plot_attention.plot(workdir, ['A man is riding a bike .'], str(tmp_path / 'att'),
+                                targets=['Ein Mann fährt Rad .'])
+  assert [os.path.basename(p) for p in written] == [
+      '0_cross_attention_layer0.png', '0_cross_attention_mean.png', '0_attention.npz']
+  weights = np.load(tmp_path / 'att' / '0_attention.npz')['cross_attention_layer0']
+  assert weights.shape[0] == 1
+  np.testing.assert_allclose(weights.sum(-1), 1, atol=1e-5)
