@@ -1,7 +1,8 @@
 """Training-step throughput of train.py's real compiled step, against the matmul peak.
 
   python -m benchmarks.train_step [--json out.json] [--steps 10] [--repeats 3] \
-      [--dtype float32|bfloat16] [--breakdown]
+      [--dtype float32|bfloat16] [--breakdown] [--attention-probs sparsemax|entmax15] \
+      [--attention-score dot|bilinear|additive] [--linear-attention]
 
 Builds the step exactly as training does (configs/multi30k.py + overrides,
 `sharding.make_mesh`, `init_train_state`, `sharding.state_shardings`, `compile_train_step`,
@@ -74,6 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--batch', type=int, default=64)
   parser.add_argument('--length', type=int, default=32)
   parser.add_argument('--dropout', type=float, default=0.1, help='0 shows what dropout costs.')
+  parser.add_argument('--attention-probs', default='softmax',
+                      choices=('softmax', 'sparsemax', 'entmax15'))
+  parser.add_argument('--attention-score', default='scaled_dot',
+                      choices=('scaled_dot', 'dot', 'bilinear', 'additive'))
+  parser.add_argument('--linear-attention', action='store_true')
   parser.add_argument('--peak-size', type=int, default=2048, help='Matmul size for the peak.')
   parser.add_argument('--peak-runs', type=int, default=10, help='Timed matmuls; the best counts.')
   return parser.parse_args(argv)
@@ -85,7 +91,8 @@ def make_config(args: argparse.Namespace):
   config.model.update(
       vocab_size=args.vocab, d_model=args.d_model, d_ff=args.d_ff, num_heads=args.heads,
       num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=args.dropout,
-      attention_dropout_rate=0.0, dtype=args.dtype)
+      attention_dropout_rate=0.0, dtype=args.dtype, attention_probs=args.attention_probs,
+      attention_score=args.attention_score, linear_attention=args.linear_attention)
   config.model.max_len = max(config.model.max_len, args.length)
   config.data.update(batch_size=args.batch, max_length=args.length)
   config.optimizer.update(label_smoothing=0.1, grad_accum_steps=1, weight_decay=0.0,
