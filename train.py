@@ -114,6 +114,13 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if not 0 < optimizer.learning_rate_scale < float('inf'):
     raise ConfigError(f'optimizer.learning_rate_scale must be positive and finite, got '
                       f'{optimizer.learning_rate_scale}.')
+  if not 0 <= optimizer.get('cooldown_steps', 0) <= config.num_train_steps:
+    raise ConfigError(f'optimizer.cooldown_steps must be in [0, num_train_steps='
+                      f'{config.num_train_steps}] (0: the paper\'s schedule to the end), got '
+                      f'{optimizer.cooldown_steps}.')
+  if not 0 <= config.get('max_train_minutes', 0) < float('inf'):
+    raise ConfigError(f'max_train_minutes must be 0 (no limit) or a positive number of minutes, '
+                      f'got {config.max_train_minutes}.')
   if not 0 <= optimizer.ema_decay < 1:
     raise ConfigError(f'optimizer.ema_decay must be in [0, 1) (0: no moving average), got '
                       f'{optimizer.ema_decay}.')
@@ -134,14 +141,20 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   """The paper's rate: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) * scale, step from 1
-  (the RNN's hidden_dim in place of d_model)."""
+  (the RNN's hidden_dim in place of d_model); with `optimizer.cooldown_steps` = C > 0, the last
+  C steps of the run scale it down linearly, to 0 after step num_train_steps."""
   width = config.model.d_model if 'd_model' in config.model else config.model.hidden_dim
   scale = config.optimizer.learning_rate_scale * width**-0.5
   warmup = config.optimizer.warmup_steps
+  cooldown = config.optimizer.get('cooldown_steps', 0)
+  last_step = config.num_train_steps
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1.0
-    return scale * jnp.minimum(step**-0.5, step * warmup**-1.5)
+    rate = scale * jnp.minimum(step**-0.5, step * warmup**-1.5)
+    if cooldown:
+      rate *= jnp.clip((last_step + 1 - step) / cooldown, 0.0, 1.0)
+    return rate
   return schedule
 
 
@@ -436,6 +449,42 @@ def is_time(step: int, every: int, last_step: int) -> bool:
   return step % every == 0 or step == last_step
 
 
+class TrainingClock:
+  """The run's training time: the loop's wall time less validation, summed over resumes (a
+  checkpoint's meta carries it as 'train_seconds')."""
+
+  def __init__(self, seconds_before: float = 0.0):
+    self.seconds_before = seconds_before
+    self.start = time.time()
+    self.paused = 0.0  # Seconds spent in validation since `start`.
+
+  def seconds(self) -> float:
+    return self.seconds_before + time.time() - self.start - self.paused
+
+  def minutes(self) -> float:
+    return self.seconds() / 60
+
+  def pause(self) -> float:
+    """Marks the start of a stretch that does not count; returns the time to give resume()."""
+    return time.time()
+
+  def resume(self, paused_at: float) -> None:
+    self.paused += time.time() - paused_at
+
+
+def out_of_training_time(clock: TrainingClock, limit_minutes: float, step: int,
+                         log_step: bool) -> bool:
+  """Whether the run has used its `max_train_minutes` after `step`. With several processes,
+  process 0's clock decides, at logging steps only (a broadcast), so all stop together."""
+  if not limit_minutes:
+    return False
+  if jax.process_count() == 1:
+    return clock.minutes() >= limit_minutes
+  if not log_step:
+    return False
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(clock.minutes() >= limit_minutes)))
+
+
 def check_nonfinite_streak(step_metrics: list[dict], limit: int, step: int) -> None:
   """Raises FloatingPointError if `limit` steps in a row were skipped as non-finite.
 
@@ -655,7 +704,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   def save(step):
     meta = {'step': step, 'data_state': whole_data_state(train_iter),
             'nonfinite_total': int(state['nonfinite_total']),
-            'nonfinite_in_a_row': int(state['nonfinite_in_a_row']), 'best': best}
+            'nonfinite_in_a_row': int(state['nonfinite_in_a_row']), 'best': best,
+            'train_seconds': clock.seconds()}
     checkpoints.save(manager, step, state['params'],
                      {k: state[k] for k in ('opt_state', 'rng')}, meta,
                      ema=state['ema_params'] if ema else None)
@@ -663,6 +713,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   last_step = config.num_train_steps
   sync_each_step = sharding.one_program_in_flight(mesh)
   loop_start = time.time()  # Wall time of this process's loop, evaluation included.
+  clock = TrainingClock((meta or {}).get('train_seconds', 0.0))
+  time_limit = config.get('max_train_minutes', 0)
   pending = []  # Per-step device metrics, fetched once per logging interval.
   interval_start, untimed = time.time(), 0  # untimed: leading `pending` steps (compiling).
   last_metrics: dict[str, Any] = {}
@@ -670,7 +722,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   logging.info('Training from step %d to %d.', start_step, last_step)
   stopped = stop_requests.stop_after(step)
   early_stopped = bool(patience) and best['stale'] >= patience  # A resumed early stop.
-  while step < last_step and not stopped and not early_stopped:
+  out_of_time = bool(time_limit) and clock.minutes() >= time_limit  # A resumed one.
+  while step < last_step and not stopped and not early_stopped and not out_of_time:
     batch = sharding.from_host_rows(next(train_iter), batch_sharding)
     state, metrics = step_fn(state, batch)
     if sync_each_step:
@@ -688,11 +741,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
       fetched = jax.device_get(pending)
       last_metrics = summarise_interval(fetched, untimed, time.time() - interval_start)
       last_metrics.update(nonfinite_skipped_total=int(state['nonfinite_total']),
-                          wall_minutes=(time.time() - loop_start) / 60)
+                          wall_minutes=(time.time() - loop_start) / 60,
+                          train_minutes=clock.minutes())
       pending, untimed = [], 0
       # The loop's own ETA, not clu's ReportProgress: that one reports through work-unit notes
       # and counts compilation and evaluation time in its rate.
       eta = last_metrics['seconds_per_step'] * (last_step - step)
+      if time_limit:
+        eta = min(eta, max(time_limit - clock.minutes(), 0.0) * 60)
       logging.info('step %d/%d | loss %.3f | nll %.3f | acc %.3f | lr %.2e | %s tok/s | '
                    '%.3f s/step | ETA %s', step, last_step, last_metrics['train_loss'],
                    last_metrics['train_nll'], last_metrics['train_accuracy'],
@@ -713,6 +769,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
     run_eval = is_time(step, config.eval.every_steps, last_step)
     run_bleu = bleu_count > 0 and is_time(step, config.eval.bleu_every_steps, last_step)
     if run_eval or run_bleu:
+      jax.block_until_ready(metrics)  # The steps so far count as training, not validation.
+      paused_at = clock.pause()
       eval_metrics = {}
       evaluated = state['ema_params'] if ema else state['params']
       if run_eval:
@@ -737,11 +795,14 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
         eval_metrics.update({f'best_{best_key}': best['value'], 'best_step': best['step']})
         early_stopped = bool(patience) and best['stale'] >= patience
       eval_metrics['wall_minutes'] = (time.time() - loop_start) / 60
+      clock.resume(paused_at)
+      eval_metrics['train_minutes'] = clock.minutes()
       writer.write(step, eval_metrics)
       last_metrics.update(eval_metrics)
       interval_start = time.time()  # Evaluation time is not training throughput.
 
-    if is_time(step, config.checkpoint_every_steps, last_step):
+    out_of_time = out_of_training_time(clock, time_limit, step, log_now)
+    if is_time(step, config.checkpoint_every_steps, last_step) or out_of_time:
       save(step)
     stopped = stop_requests.stop_after(step)
 
@@ -753,6 +814,9 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
   if stopped:
     logging.warning('Stopped by signal at step %d with a checkpoint; rerun the same command to '
                     'resume (exit code %d).', step, EXIT_INTERRUPTED)
+  elif out_of_time:
+    logging.info('Stopped at step %d: max_train_minutes=%g reached (%.1f training minutes); '
+                 'checkpoints in %s.', step, time_limit, clock.minutes(), manager.directory)
   elif early_stopped:
     logging.info('Stopped early at step %d: no improvement of %s in %d evaluations; best %.4g '
                  'at step %d, in %s.', step, best_key, patience, best['value'], best['step'],
@@ -761,7 +825,8 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
     logging.info('Done: step %d in %s; checkpoints in %s.', step,
                  console.format_duration(time.time() - loop_start), manager.directory)
   return {'state': state, 'metrics': last_metrics, 'step': step, 'stopped': stopped,
-          'early_stopped': early_stopped, 'best': best, 'translator': translator}
+          'early_stopped': early_stopped, 'out_of_time': out_of_time, 'best': best,
+          'train_minutes': clock.minutes(), 'translator': translator}
 
 
 # ----------------------------------------------------------------------------- command line

@@ -21,6 +21,8 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.num_train_steps = 1000
+  # Also stop once training (the loop less validation) has taken this long; 0: no limit.
+  config.max_train_minutes = 0.0
   config.mesh_shape = ''  # e.g. 'data:4,fsdp:2'; '' = every device on 'data'.
 
   # input_pipeline.py.
@@ -70,6 +72,8 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.optimizer = ml_collections.ConfigDict()
   config.optimizer.warmup_steps = 1000
   config.optimizer.learning_rate_scale = 1.0
+  # The last N steps scale the paper's rate down linearly to 0 (0: the paper's to the end).
+  config.optimizer.cooldown_steps = 0
   config.optimizer.adam_b1 = 0.9
   config.optimizer.adam_b2 = 0.98
   config.optimizer.adam_eps = 1e-9

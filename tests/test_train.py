@@ -71,6 +71,21 @@ def test_schedule_matches_the_paper_formula():
       2 * 512**-0.5 * 100 * 4000**-1.5, rel=1e-5)
 
 
+def test_cooldown_ramps_the_paper_rate_down_to_zero_at_the_last_step():
+  config = small_config({'model.d_model': 256, 'optimizer.warmup_steps': 100,
+                         'num_train_steps': 1000, 'optimizer.cooldown_steps': 400})
+  schedule = train.learning_rate_schedule(config)
+  config.optimizer.cooldown_steps = 0
+  paper = train.learning_rate_schedule(config)
+  for count in (0, 50, 99, 300, 599):  # Steps 1..600: the paper's rate.
+    assert float(schedule(count)) == pytest.approx(float(paper(count)), rel=1e-6)
+  for step in (601, 700, 800, 999, 1000):  # Then the factor (1001 - step) / 400.
+    expected = float(paper(step - 1)) * (1001 - step) / 400
+    assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
+  assert float(schedule(999)) > 0 and float(schedule(1000)) == 0.0
+  assert all(float(schedule(c)) > float(schedule(c + 1)) for c in range(600, 999, 37))
+
+
 def test_optimizer_clips_before_adam_and_decays_only_matrices():
   config = small_config({'model.d_model': 64, 'optimizer.warmup_steps': 10,
                          'optimizer.learning_rate_scale': 1.0, 'optimizer.grad_clip_norm': 1.0,
@@ -409,6 +424,42 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   assert f"step {result['best']['step']}" in origin
   if result['best']['step'] == 16:
     _assert_trees_close(jax.device_get(best), ema, atol=1e-6)
+
+
+@needs_multi30k
+def test_max_train_minutes_stops_with_a_checkpoint_and_the_clock_carries_over(tmp_path):
+  """A time budget ends the run (exit 0, not 'interrupted') after the step that used it up; a
+  rerun of the same command trains no further; training minutes continue across resumes."""
+  config = small_config({'eval.bleu_sentences': 0, 'num_train_steps': 1000,
+                         'eval.every_steps': 1000, 'checkpoint_every_steps': 1000,
+                         'log_every_steps': 1, 'max_train_minutes': 1e-4})
+  result = train.train_and_evaluate(config, str(tmp_path))  # Any step takes over 6 ms.
+  assert result['out_of_time'] and not result['stopped'] and result['step'] == 1
+  assert checkpoints.saved_steps(str(tmp_path)) == [1]
+  again = train.train_and_evaluate(config, str(tmp_path))
+  assert again['step'] == 1 and again['out_of_time']
+  config.max_train_minutes = 0.0
+  config.num_train_steps = 3
+  resumed = train.train_and_evaluate(config, str(tmp_path))
+  assert resumed['step'] == 3 and not resumed['out_of_time']
+  rows = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl', encoding='utf-8')]
+  minutes = [r['train_minutes'] for r in rows if 'train_loss' in r]
+  assert [r['step'] for r in rows if 'train_loss' in r] == [1, 2, 3]
+  assert minutes[0] >= 1e-4 and minutes[0] < minutes[1] < minutes[2]
+  assert resumed['train_minutes'] == pytest.approx(minutes[2], rel=0.5)
+
+
+def test_a_time_budget_is_decided_by_process_0_at_logging_steps(monkeypatch):
+  """Several processes stop at one step: only logging steps check, with process 0's clock."""
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  broadcasts = []
+  monkeypatch.setattr(train.multihost_utils, 'broadcast_one_to_all',
+                      lambda x: broadcasts.append(x) or x)
+  clock = train.TrainingClock(seconds_before=120.0)
+  assert not train.out_of_training_time(clock, 1.0, 7, log_step=False) and not broadcasts
+  assert train.out_of_training_time(clock, 1.0, 10, log_step=True) and len(broadcasts) == 1
+  assert not train.out_of_training_time(clock, 10.0, 20, log_step=True)
+  assert not train.out_of_training_time(clock, 0.0, 30, log_step=True)  # No limit.
 
 
 @needs_multi30k
