@@ -1,13 +1,16 @@
 """Training curves of a run directory: loss, validation NLL and BLEU against steps and minutes.
 
   python -m benchmarks.plot_curves --workdir DIR [--output DIR/curves.png]
+  python -m benchmarks.plot_curves --compare DIR1 DIR2 ... --output bleu.png [--key eval_chrf]
+
+The second form draws one validation score of several runs against their training minutes.
 
 Reads DIR/metrics.jsonl as train.py writes it: one JSON object per line with 'step' and
 whatever that log line measured (training lines: train_loss, train_nll, seconds_per_step, ...;
 evaluation lines: eval_nll, eval_bleu, eval_chrf, ...). Lines of one step are merged; a resumed
-run repeats steps, and the last value of each key at a step wins. Minutes come from a
-'wall_time' key when the lines have one, else from seconds_per_step times the steps since the
-previous training line: training time only, evaluation pauses are not counted.
+run repeats steps, and the last value of each key at a step wins. Minutes are the lines'
+'train_minutes' (training time, validation excluded) when they have them, else seconds_per_step
+times the steps since the previous training line (runs of older code).
 """
 
 from __future__ import annotations
@@ -69,14 +72,14 @@ def series(records: dict[int, dict[str, float]], key: str) -> tuple[np.ndarray, 
 
 
 def minutes_at(records: dict[int, dict[str, float]]) -> tuple[np.ndarray, np.ndarray] | None:
-  """(steps, minutes since the start of training) known at some steps, or None.
+  """(steps, minutes of training) known at some steps, step 0 at minute 0, or None.
 
-  With 'wall_time' keys: their difference to the first one. Otherwise seconds_per_step applies
-  to the steps since the previous training log line (or since step 0).
+  From 'train_minutes' when logged; otherwise seconds_per_step applies to the steps since the
+  previous training log line (or since step 0).
   """
-  steps, wall = series(records, 'wall_time')
-  if len(steps) >= 2:
-    return steps, (wall - wall[0]) / 60.0
+  steps, minutes = series(records, 'train_minutes')
+  if len(steps):
+    return np.concatenate([[0.0], steps]), np.concatenate([[0.0], minutes])
   steps, seconds_per_step = series(records, 'seconds_per_step')
   if not len(steps):
     return None
@@ -122,7 +125,7 @@ def plot(records: dict[int, dict[str, float]], output: str, title: str = '') -> 
         'Validation score vs step')
   if timeline is None:
     for ax in axes[1]:
-      ax.text(0.5, 0.5, 'no seconds_per_step or wall_time logged', ha='center', va='center',
+      ax.text(0.5, 0.5, 'no seconds_per_step or train_minutes logged', ha='center', va='center',
               transform=ax.transAxes, color='gray')
       ax.set_axis_off()
   else:
@@ -142,15 +145,59 @@ def plot(records: dict[int, dict[str, float]], output: str, title: str = '') -> 
   return output
 
 
+def score_against_minutes(records: dict[int, dict[str, float]],
+                          key: str = 'eval_bleu') -> tuple[np.ndarray, np.ndarray]:
+  """(training minutes, values) of one validation key."""
+  timeline = minutes_at(records)
+  steps, values = series(records, key)
+  if timeline is None or not len(steps):
+    raise CurvesError(f'no {key} values with training times to plot.')
+  return np.interp(steps, *timeline), values
+
+
+def plot_runs(curves: dict[str, tuple[np.ndarray, np.ndarray]], output: str, ylabel: str,
+              title: str = '', points: dict[str, list[tuple[float, float]]] | None = None) -> str:
+  """One panel: each run's (minutes, values) as a line; `points`: labelled single markers
+  (e.g. another system's measurements). Returns the PNG path."""
+  fig, ax = plt.subplots(figsize=(8, 5))
+  for label, (minutes, values) in curves.items():
+    ax.plot(minutes, values, marker='o', markersize=3, linewidth=1.4, label=label)
+  for label, xy in (points or {}).items():
+    ax.plot(*zip(*xy), linestyle='none', marker='s', markersize=7, label=label)
+  ax.set_xlabel('minutes of training')
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  ax.grid(True, alpha=0.3)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(output)), exist_ok=True)
+  fig.savefig(output, dpi=100)
+  plt.close(fig)
+  return output
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--workdir', required=True, help='Run directory holding metrics.jsonl.')
-  parser.add_argument('--output', default='', help='PNG path (default: WORKDIR/curves.png).')
+  runs = parser.add_mutually_exclusive_group(required=True)
+  runs.add_argument('--workdir', help='Run directory holding metrics.jsonl.')
+  runs.add_argument('--compare', nargs='+', help='Run directories: one score of each against '
+                    'training minutes, in one panel.')
+  parser.add_argument('--key', default='eval_bleu', help='The score --compare draws.')
+  parser.add_argument('--output', default='', help='PNG path (default: WORKDIR/curves.png; '
+                      'required with --compare).')
   args = parser.parse_args(argv)
+  if args.compare and not args.output:
+    parser.error('--compare needs --output.')
   output = args.output or os.path.join(args.workdir, 'curves.png')
+  name = lambda workdir: os.path.basename(os.path.normpath(workdir))
   try:
-    records = read_metrics(os.path.join(args.workdir, 'metrics.jsonl'))
-    path = plot(records, output, title=os.path.basename(os.path.normpath(args.workdir)))
+    if args.compare:
+      curves = {name(w): score_against_minutes(read_metrics(os.path.join(w, 'metrics.jsonl')),
+                                               args.key) for w in args.compare}
+      path = plot_runs(curves, output, f'validation {args.key.removeprefix("eval_")}')
+    else:
+      records = read_metrics(os.path.join(args.workdir, 'metrics.jsonl'))
+      path = plot(records, output, title=name(args.workdir))
   except CurvesError as error:
     sys.exit(f'error: {error}')
   print(f'wrote {path}')

@@ -128,15 +128,28 @@ def test_plot_curves_merges_steps_and_writes_png(tmp_path):
   assert data[:8] == b'\x89PNG\r\n\x1a\n' and len(data) > 20_000
 
 
-def test_plot_curves_uses_wall_time(tmp_path):
-  _write_metrics(tmp_path / 'metrics.jsonl', [
-      {'step': 10, 'train_loss': 3.0, 'wall_time': 1000.0},
-      {'step': 20, 'train_loss': 2.0, 'wall_time': 1120.0}])
-  steps, minutes = plot_curves.minutes_at(plot_curves.read_metrics(
-      str(tmp_path / 'metrics.jsonl')))
-  assert list(minutes) == [0.0, 2.0]
-  plot_curves.main(['--workdir', str(tmp_path), '--output', str(tmp_path / 'out' / 'c.png')])
-  assert (tmp_path / 'out' / 'c.png').stat().st_size > 10_000
+def test_plot_curves_uses_train_minutes_and_compares_runs(tmp_path):
+  for run, speed in (('a', 1.0), ('b', 2.0)):
+    os.makedirs(tmp_path / run)
+    _write_metrics(tmp_path / run / 'metrics.jsonl', [
+        {'step': 10, 'train_loss': 3.0, 'train_minutes': 1.0 / speed},
+        {'step': 20, 'train_loss': 2.0, 'train_minutes': 2.0 / speed},
+        {'step': 20, 'eval_bleu': 5.0 * speed, 'train_minutes': 2.0 / speed},
+        {'step': 30, 'train_loss': 1.0, 'train_minutes': 3.0 / speed},
+        {'step': 30, 'eval_bleu': 9.0 * speed, 'train_minutes': 3.0 / speed}])
+  records = plot_curves.read_metrics(str(tmp_path / 'b' / 'metrics.jsonl'))
+  steps, minutes = plot_curves.minutes_at(records)
+  assert list(steps) == [0, 10, 20, 30] and list(minutes) == [0.0, 0.5, 1.0, 1.5]
+  minutes, bleu = plot_curves.score_against_minutes(records)
+  assert list(minutes) == [1.0, 1.5] and list(bleu) == [10.0, 18.0]
+  plot_curves.main(['--workdir', str(tmp_path / 'a'), '--output', str(tmp_path / 'o' / 'c.png')])
+  assert (tmp_path / 'o' / 'c.png').stat().st_size > 10_000
+  path = plot_curves.main(['--compare', str(tmp_path / 'a'), str(tmp_path / 'b'), '--output',
+                           str(tmp_path / 'o' / 'bleu.png')])
+  assert open(path, 'rb').read(8) == b'\x89PNG\r\n\x1a\n'
+  with pytest.raises(SystemExit, match='no eval_chrf'):
+    plot_curves.main(['--compare', str(tmp_path / 'a'), '--key', 'eval_chrf', '--output',
+                      str(tmp_path / 'x.png')])
 
 
 def test_plot_curves_errors_clearly(tmp_path):
