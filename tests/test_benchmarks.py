@@ -161,3 +161,40 @@ def test_plot_curves_errors_clearly(tmp_path):
   _write_metrics(tmp_path / 'metrics.jsonl', [{'step': 0, 'num_params': 5}])
   with pytest.raises(SystemExit, match='nothing|no train_loss'):
     plot_curves.main(['--workdir', str(tmp_path)])
+
+
+def test_attention_comparison_commands_and_report(tmp_path, capsys):
+  from benchmarks import attention_comparison as comparison
+  command = comparison.train_command('rnn_luong', str(tmp_path / 'rnn_luong'), 20)
+  assert 'configs/multi30k_rnn.py' in ' '.join(command)
+  assert '--config.model.attention_score=general' in command
+  assert '--config.max_train_minutes=20' in command
+  with pytest.raises(SystemExit, match='no .*comparison.json yet'):
+    comparison.report(str(tmp_path), None, None)
+  for variant, bleu in (('transformer_softmax', 30.0), ('rnn_luong', 20.0)):
+    run = tmp_path / variant
+    os.makedirs(run)
+    _write_metrics(run / 'metrics.jsonl', [
+        {'step': 0, 'num_params': 7_500_000},
+        {'step': 50, 'train_loss': 3.0, 'target_tokens_per_second': 100.0, 'train_minutes': 0.5},
+        {'step': 100, 'train_loss': 2.0, 'target_tokens_per_second': 4000.0,
+         'train_minutes': 1.0},
+        {'step': 100, 'eval_bleu': bleu / 2, 'train_minutes': 1.0},
+        {'step': 150, 'train_loss': 1.0, 'target_tokens_per_second': 5000.0,
+         'train_minutes': 1.5},
+        {'step': 150, 'eval_bleu': bleu, 'train_minutes': 1.5}])
+    summary = comparison.training_summary(str(run))
+    # The first interval (compiling) is left out of the speed.
+    assert summary == {'params': 7_500_000, 'steps': 150, 'train_minutes': 1.5,
+                       'train_target_tokens_per_s': 4500.0}
+    result = dict(summary, variant=variant, what=comparison.VARIANTS[variant][2],
+                  budget_minutes=1.5, sentences=1000, bleu=bleu, bleu_lowercase=bleu + 0.3,
+                  chrf=50.0, decode_first_call_s=20.0, decode_sentences_per_s=80.0)
+    (run / 'comparison.json').write_text(json.dumps(result))
+  rows = comparison.report(str(tmp_path), str(tmp_path / 'all.json'), str(tmp_path / 'p.png'))
+  table = capsys.readouterr().out
+  assert [r['variant'] for r in rows] == ['transformer_softmax', 'rnn_luong']
+  assert '| Transformer, softmax (the paper) | 7.5M | 150 | 4,500 | 30.00 | 30.30 | 50.00 | ' \
+         '80.0 (50.0) |' in table
+  assert json.loads((tmp_path / 'all.json').read_text()) == rows
+  assert (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
