@@ -198,3 +198,29 @@ def test_attention_comparison_commands_and_report(tmp_path, capsys):
          '80.0 (50.0) |' in table
   assert json.loads((tmp_path / 'all.json').read_text()) == rows
   assert (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_time_to_quality_thresholds_and_plot(tmp_path):
+  from benchmarks import time_to_quality
+  points = [{'step': s, 'minutes': s / 100, 'bleu': b}
+            for s, b in ((500, 20.0), (1000, 31.0), (1500, 29.0), (2000, 35.5))]
+  assert time_to_quality.first_reaching(points, 30.0) == 10.0
+  assert time_to_quality.first_reaching(points, 35.0) == 20.0
+  assert time_to_quality.first_reaching(points, 42.0) is None
+  path = tmp_path / 'run.json'
+  path.write_text(json.dumps({'workdir': '/x/run', 'split': 'test_2016_flickr',
+                              'points': points}))
+  time_to_quality.main(['--plot', str(tmp_path / 'ttq.png'), str(path)])
+  assert (tmp_path / 'ttq.png').read_bytes()[:4] == b'\x89PNG'
+  with pytest.raises(SystemExit):
+    time_to_quality.main(['--plot', str(tmp_path / 'x.png'), '--labels', 'a,b', str(path)])
+
+
+@pytest.mark.slow
+def test_time_to_quality_scores_every_checkpoint(tiny_run):
+  from benchmarks import time_to_quality
+  result = time_to_quality.measure(tiny_run, 'val')
+  assert [p['step'] for p in result['points']] == [4, 8, 12]
+  minutes = [p['minutes'] for p in result['points']]
+  assert 0 < minutes[0] < minutes[1] < minutes[2]
+  assert 'average of steps [8, 12]' in result['averaged']['checkpoint']

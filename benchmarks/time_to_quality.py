@@ -1,0 +1,125 @@
+"""Test BLEU against training minutes: every kept checkpoint of a run, translated and scored.
+
+  python -m benchmarks.time_to_quality --workdir runs/multi30k_full [--split test_2016_flickr] \
+      --json runs/multi30k_full/time_to_quality.json
+  python -m benchmarks.time_to_quality --plot curves.png A.json B.json ...
+
+The first form translates the split with each checkpoint in WORKDIR/checkpoints (train with
+`--config.keep_checkpoints=1000` to keep them all) and with the average of the last
+`average_last_checkpoints`, beam search as the run's config says, and places each on the run's
+training-minutes axis (train_minutes in metrics.jsonl: the loop's time less validation). It
+reports the minutes each BLEU threshold (30, 35, ...) was first reached at. The second form
+plots the curves of several such files next to the Flax WMT example's measured points on the
+same machine type (../shared/ANCHORS.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The Flax WMT example on Multi30k en->de, 2-core AMD EPYC: (training minutes, test_2016_flickr
+# sacreBLEU cased), from ../shared/ANCHORS.md.
+PEER_POINTS = [(20.0, 25.5), (35.0, 31.7), (50.0, 34.7)]
+THRESHOLDS = (30.0, 35.0, 38.0, 40.0, 42.0)
+
+
+def minutes_of_steps(workdir: str, steps: list[int]) -> list[float]:
+  from benchmarks import plot_curves
+  timeline = plot_curves.minutes_at(plot_curves.read_metrics(
+      os.path.join(workdir, 'metrics.jsonl')))
+  if timeline is None:
+    raise SystemExit(f'error: {workdir}/metrics.jsonl has no training times.')
+  return [float(m) for m in np.interp(steps, *timeline)]
+
+
+def first_reaching(points: list[dict], threshold: float) -> float | None:
+  """Training minutes of the first single checkpoint at or above `threshold` BLEU."""
+  return next((p['minutes'] for p in points if p['bleu'] >= threshold), None)
+
+
+def measure(workdir: str, split: str) -> dict:
+  sys.path.insert(0, REPO)
+  import checkpoints
+  import input_pipeline
+  import sharding
+  import translation
+
+  config, tokenizer, model = translation.load_run(workdir)
+  mesh = sharding.make_mesh()
+  sources, references = input_pipeline.read_split(config, split)
+  translator = translation.Translator(model, tokenizer, config.decode, mesh)
+  steps = checkpoints.saved_steps(workdir)
+  if not steps:
+    raise SystemExit(f'error: no checkpoints in {workdir}.')
+  minutes = minutes_of_steps(workdir, steps)
+  points = []
+  for step, at in zip(steps, minutes):
+    params, _ = translation.load_params(workdir, mesh, step)
+    scores = translation.score(translator(translator.place(params), sources), references)
+    points.append({'step': step, 'minutes': at, 'bleu': scores['bleu'],
+                   'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']})
+    print(json.dumps(points[-1]), flush=True)
+  count = min(config.average_last_checkpoints, len(steps))
+  params, origin = translation.load_params(workdir, mesh, None, count)
+  scores = translation.score(translator(translator.place(params), sources), references)
+  final = {'checkpoint': origin, 'minutes': minutes[-1], 'bleu': scores['bleu'],
+           'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']}
+  print(json.dumps(final), flush=True)
+  return {'workdir': os.path.abspath(workdir), 'split': split, 'points': points,
+          'averaged': final,
+          'minutes_to': {f'{t:g}': first_reaching(points, t) for t in THRESHOLDS}}
+
+
+def plot(results: list[dict], labels: list[str], output: str) -> str:
+  from benchmarks import plot_curves
+  curves = {}
+  for label, result in zip(labels, results):
+    points = result['points']
+    curves[label] = (np.asarray([p['minutes'] for p in points]),
+                     np.asarray([p['bleu'] for p in points]))
+  return plot_curves.plot_runs(
+      curves, output, f'{results[0]["split"]} sacreBLEU (cased, single checkpoints)',
+      'Multi30k en-de: BLEU against training minutes',
+      points={'Flax WMT example (ANCHORS.md)': PEER_POINTS})
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--workdir', help='A train.py run to measure.')
+  parser.add_argument('--split', default='test_2016_flickr')
+  parser.add_argument('--json', help='Write the measurement here.')
+  parser.add_argument('--plot', help='PNG of the curves in the given JSON files.')
+  parser.add_argument('--labels', help='Comma-separated labels for --plot (default: run names).')
+  parser.add_argument('files', nargs='*', help='--plot: measurements written by --json.')
+  args = parser.parse_args(argv)
+  if bool(args.workdir) == bool(args.plot):
+    parser.error('give either --workdir (measure) or --plot with JSON files.')
+  if args.plot:
+    if not args.files:
+      parser.error('--plot needs the JSON files to draw.')
+    results = []
+    for path in args.files:
+      with open(path, encoding='utf-8') as f:
+        results.append(json.load(f))
+    labels = (args.labels.split(',') if args.labels else
+              [os.path.basename(r['workdir']) for r in results])
+    if len(labels) != len(results):
+      parser.error(f'{len(labels)} labels for {len(results)} files.')
+    print(f'wrote {plot(results, labels, args.plot)}')
+    return results
+  result = measure(args.workdir, args.split)
+  print(json.dumps(result['minutes_to']))
+  if args.json:
+    with open(args.json, 'w', encoding='utf-8') as f:
+      json.dump(result, f, indent=2)
+  return result
+
+
+if __name__ == '__main__':
+  main()
