@@ -617,3 +617,20 @@ def test_multi30k_local_copy_is_prepared_again_when_its_files_change(tmp_path, m
     (local / name).unlink()
   with pytest.raises(FileNotFoundError, match=r'lacks.*train\.en'):
     ip.read_split(config, 'val')
+
+
+TATOEBA = Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'tatoeba_deu_small'
+
+
+@pytest.mark.skipif(not (TATOEBA / 'train.de').is_file(),
+                    reason=f'Tatoeba test data not found at {TATOEBA}')
+def test_tatoeba_config_reads_its_folder_german_to_english(tmp_path):
+  from configs import tatoeba_de_en
+  config = tatoeba_de_en.get_config()
+  config.data.dataset_name = f'folder:{TATOEBA}'
+  config.data.data_dir = str(tmp_path / 'tfds')
+  for split, count in ((config.data.eval_split, 878), (config.data.test_split, 901)):
+    sources, targets = ip.read_split(config, split)
+    lines = lambda lang: (TATOEBA / f'{split}.{lang}').read_text(encoding='utf-8').splitlines()
+    assert len(sources) == count and sources == [x.strip() for x in lines('de')]
+    assert targets == [x.strip() for x in lines('en')]

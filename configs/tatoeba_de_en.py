@@ -1,0 +1,25 @@
+"""Tatoeba German -> English (short everyday sentences): the default recipe on a second pair.
+
+  python train.py --config configs/tatoeba_de_en.py --workdir runs/tatoeba_de_en \
+      --config.data.dataset_name=folder:../shared/data/tatoeba_deu_small
+  python checkpoints.py --workdir runs/tatoeba_de_en
+  python decode.py --workdir runs/tatoeba_de_en --split test --checkpoint averaged
+
+The folder holds aligned `{train,valid,test}.{de,en}` files (on these machines
+../shared/data/tatoeba_deu_small: 45k training pairs of at most 7 English words).
+BENCHMARKS.md has what it reaches on the test split.
+"""
+
+import ml_collections
+
+from configs import multi30k
+
+
+def get_config() -> ml_collections.ConfigDict:
+  config = multi30k.get_config()
+  config.data.dataset_name = 'folder:tatoeba_deu_small'  # Override with the folder's path.
+  config.data.source_lang = 'de'
+  config.data.target_lang = 'en'
+  config.data.eval_split = 'valid'
+  config.data.test_split = 'test'
+  return config
