@@ -75,10 +75,15 @@ def attention_weights(model: Transformer | RNN, params: Any, inputs: np.ndarray,
 
 
 def draw(weights: np.ndarray, query_pieces: list[str], key_pieces: list[str], title: str,
-         path: str) -> None:
-  """One PNG: a heatmap per head of weights [heads, queries, keys], and their mean."""
+         path: str, axis_names: tuple[str, str] = ('queries', 'keys'),
+         names: list[str] | None = None) -> None:
+  """One PNG: a heatmap per head of weights [heads, queries, keys], and their mean.
+
+  axis_names: what the rows (queries) and columns (keys) are; names: the panels' titles
+  (default 'head 0', 'head 1', ..., 'mean')."""
   panels = list(weights) + [weights.mean(axis=0)] if len(weights) > 1 else list(weights)
-  names = [f'head {h}' for h in range(len(weights))] + (['mean'] if len(weights) > 1 else [])
+  names = names or ([f'head {h}' for h in range(len(weights))] +
+                    (['mean'] if len(weights) > 1 else []))
   columns = min(len(panels), 3)
   rows = -(-len(panels) // columns)
   size = 0.28 * max(len(query_pieces), len(key_pieces)) + 1.5
@@ -92,6 +97,8 @@ def draw(weights: np.ndarray, query_pieces: list[str], key_pieces: list[str], ti
     axis.set_xticks(range(len(key_pieces)), key_pieces, rotation=90, fontsize=7)
     axis.set_yticks(range(len(query_pieces)), query_pieces, fontsize=7)
     axis.set_title(name, fontsize=9)
+    axis.set_ylabel(axis_names[0], fontsize=8)
+    axis.set_xlabel(axis_names[1], fontsize=8)
   figure.suptitle(title, fontsize=10)
   figure.tight_layout()
   figure.savefig(path, dpi=100)
@@ -136,11 +143,12 @@ def plot(workdir: str, sentences: list[str], output_dir: str, targets: list[str]
       for layer, layer_weights in enumerate(weights.get(name, [])):
         path = f'{prefix}{name}_layer{layer}.png'
         draw(layer_weights, labels[queries], labels[keys],
-             f'{name.replace("_", " ")}, layer {layer}', path)
+             f'{name.replace("_", " ")}, layer {layer}', path, (queries, keys))
         written.append(path)
     mean = np.mean([w.mean(axis=0) for w in weights['cross_attention']], axis=0)
-    draw(mean[None], labels['target'], labels['source'],
-         'cross attention, mean over layers and heads', f'{prefix}cross_attention_mean.png')
+    draw(mean[None], labels['target'], labels['source'], 'cross attention',
+         f'{prefix}cross_attention_mean.png', ('target', 'source'),
+         ['mean over layers and heads'])
     arrays = {f'{name}_layer{layer}': w for name in weights for layer, w in
               enumerate(weights[name])}
     np.savez(f'{prefix}attention.npz', source_pieces=np.array(labels['source']),
