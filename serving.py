@@ -3,13 +3,16 @@ sentencepiece (no Flax, TensorFlow or code of the training project): copy the fo
 
   python serving.py --model EXPORTED_DIR < input.txt > output.txt
   python serving.py --model EXPORTED_DIR          # interactive: one line in, one line out
+  python serving.py --model EXPORTED_DIR --http 8080   # POST /translate {"text": [...]}
 
   from serving import ExportedTranslator
   translator = ExportedTranslator('EXPORTED_DIR')
   translator.translate(['A dog runs in the snow.'])
 
 Every input line gives exactly one output line (an empty line gives an empty line). Sources
-longer than the largest bucket are cut to it with a warning on stderr.
+longer than the largest bucket are cut to it with a warning on stderr. Over HTTP, a JSON body
+{"text": ["sentence", ...]} (or one string) gets {"translations": [...]} in the same order; the
+server answers one request at a time (standard library only).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import stat
 import sys
 from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import jax
 import jax.numpy as jnp
@@ -100,17 +104,59 @@ def output_line(translation: str) -> str:
   return ' '.join(translation.replace('\t', ' ').splitlines())
 
 
+def make_http_server(translator: ExportedTranslator, host: str, port: int) -> HTTPServer:
+  """An HTTP server (call serve_forever) answering POST /translate; port 0 picks a free one."""
+
+  class Handler(BaseHTTPRequestHandler):
+    def do_POST(self):  # noqa: N802 (http.server's name)
+      if self.path.rstrip('/') != '/translate':
+        return self.reply(404, {'error': 'POST to /translate'})
+      try:
+        text = json.loads(self.rfile.read(int(self.headers.get('Content-Length') or 0)))['text']
+        text = [text] if isinstance(text, str) else text
+        if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
+          raise TypeError
+      except (ValueError, KeyError, TypeError):
+        return self.reply(400, {'error': 'expected a JSON body {"text": ["sentence", ...]}'})
+      self.reply(200, {'translations': [output_line(t) for t in translator.translate(text)]})
+
+    def reply(self, status: int, body: dict) -> None:
+      data = json.dumps(body, ensure_ascii=False).encode('utf-8')
+      self.send_response(status)
+      self.send_header('Content-Type', 'application/json; charset=utf-8')
+      self.send_header('Content-Length', str(len(data)))
+      self.end_headers()
+      self.wfile.write(data)
+
+    def log_message(self, format, *args):  # noqa: A002 (http.server's signature)
+      sys.stderr.write(f'{self.address_string()} {format % args}\n')
+
+  return HTTPServer((host, port), Handler)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--model', required=True, help='a folder written by export.py')
   parser.add_argument('--input', default='-', help='source text, one sentence per line')
   parser.add_argument('--output', default='-', help='where the translations go')
+  parser.add_argument('--http', type=int, metavar='PORT',
+                      help='serve POST /translate on this port instead (0: a free one)')
+  parser.add_argument('--host', default='127.0.0.1', help='--http: the address to listen on')
   args = parser.parse_args(argv)
   if not os.path.isfile(os.path.join(args.model, 'translator.json')):
     sys.exit(f'error: {args.model} is not a folder written by export.py --format jax.')
   if not jax.config.jax_compilation_cache_dir:  # Later runs load the compiled programs.
     jax.config.update('jax_compilation_cache_dir', os.path.join(args.model, 'compilation_cache'))
   translator = ExportedTranslator(args.model)
+  if args.http is not None:
+    server = make_http_server(translator, args.host, args.http)
+    print(f'Serving http://{args.host}:{server.server_port}/translate', file=sys.stderr,
+          flush=True)
+    try:
+      server.serve_forever()
+    except KeyboardInterrupt:
+      pass
+    return
   out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
   if args.input == '-' and not stat.S_ISREG(os.fstat(sys.stdin.fileno()).st_mode):
     for line in sys.stdin:  # A pipe or a terminal: each line as it arrives.

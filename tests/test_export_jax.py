@@ -79,3 +79,43 @@ def test_export_errors_are_one_line(tmp_path):
   stderr = result.stderr.decode()
   assert result.returncode == 1 and 'Traceback' not in stderr, stderr
   assert stderr.strip().splitlines()[-1].startswith('error: '), stderr
+
+
+def test_http_endpoint_translates_json_lists(exported):
+  import json
+  import threading
+  import urllib.error
+  import urllib.request
+
+  sys.path.insert(0, exported)
+  try:
+    import serving
+    translator = serving.ExportedTranslator(exported)
+  finally:
+    sys.path.remove(exported)
+  lines = sources()[:3]
+  server = serving.make_http_server(translator, '127.0.0.1', 0)
+  thread = threading.Thread(target=server.serve_forever, daemon=True)
+  thread.start()
+  url = f'http://127.0.0.1:{server.server_port}'
+
+  def post(path, body):
+    request = urllib.request.Request(url + path, data=body, method='POST')
+    try:
+      with urllib.request.urlopen(request, timeout=300) as response:
+        return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+      return error.code, json.loads(error.read())
+
+  try:
+    assert post('/translate', json.dumps({'text': lines}).encode()) == (
+        200, {'translations': translator.translate(lines)})
+    assert post('/translate', json.dumps({'text': lines[0]}).encode()) == (
+        200, {'translations': translator.translate(lines[:1])})
+    for bad in (b'not json', b'{"q": "x"}', b'{"text": [1, 2]}'):
+      status, body = post('/translate', bad)
+      assert status == 400 and 'expected a JSON body' in body['error']
+    assert post('/other', b'{}')[0] == 404
+  finally:
+    server.shutdown()
+    server.server_close()
