@@ -456,20 +456,24 @@ class TrainingClock:
   def __init__(self, seconds_before: float = 0.0):
     self.seconds_before = seconds_before
     self.start = time.time()
-    self.paused = 0.0  # Seconds spent in validation since `start`.
+    self.paused_seconds = 0.0  # Time spent in validation since `start`.
+    self.paused_at: float | None = None
 
   def seconds(self) -> float:
-    return self.seconds_before + time.time() - self.start - self.paused
+    now = time.time()
+    paused = self.paused_seconds + (now - self.paused_at if self.paused_at else 0.0)
+    return self.seconds_before + now - self.start - paused
 
   def minutes(self) -> float:
     return self.seconds() / 60
 
-  def pause(self) -> float:
-    """Marks the start of a stretch that does not count; returns the time to give resume()."""
-    return time.time()
+  def pause(self) -> None:
+    """Time from here to resume() does not count."""
+    self.paused_at = time.time()
 
-  def resume(self, paused_at: float) -> None:
-    self.paused += time.time() - paused_at
+  def resume(self) -> None:
+    self.paused_seconds += time.time() - self.paused_at
+    self.paused_at = None
 
 
 def out_of_training_time(clock: TrainingClock, limit_minutes: float, step: int,
@@ -770,7 +774,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
     run_bleu = bleu_count > 0 and is_time(step, config.eval.bleu_every_steps, last_step)
     if run_eval or run_bleu:
       jax.block_until_ready(metrics)  # The steps so far count as training, not validation.
-      paused_at = clock.pause()
+      clock.pause()
       eval_metrics = {}
       evaluated = state['ema_params'] if ema else state['params']
       if run_eval:
@@ -795,7 +799,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: M
         eval_metrics.update({f'best_{best_key}': best['value'], 'best_step': best['step']})
         early_stopped = bool(patience) and best['stale'] >= patience
       eval_metrics['wall_minutes'] = (time.time() - loop_start) / 60
-      clock.resume(paused_at)
+      clock.resume()
       eval_metrics['train_minutes'] = clock.minutes()
       writer.write(step, eval_metrics)
       last_metrics.update(eval_metrics)

@@ -568,3 +568,16 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
   assert not (killed / 'checkpoints' / '400').is_dir(), 'the run ended before the kill'
   subprocess.run(command(killed), cwd=repo, check=True, capture_output=True, timeout=1200)
   _assert_trees_close(_final_params(straight), _final_params(killed), atol=1e-6)
+
+
+def test_training_clock_leaves_out_paused_time(monkeypatch):
+  now = [1000.0]
+  monkeypatch.setattr(train.time, 'time', lambda: now[0])
+  clock = train.TrainingClock(seconds_before=60.0)
+  now[0] += 30
+  clock.pause()
+  now[0] += 100  # Validation.
+  assert clock.seconds() == 90.0
+  clock.resume()
+  now[0] += 30
+  assert clock.seconds() == 120.0 and clock.minutes() == 2.0
