@@ -1,11 +1,12 @@
 """Test BLEU against training minutes: every kept checkpoint of a run, translated and scored.
 
   python -m benchmarks.time_to_quality --workdir runs/multi30k_full [--split test_2016_flickr] \
-      --json runs/multi30k_full/time_to_quality.json
+      [--every_steps 500] --json runs/multi30k_full/time_to_quality.json
   python -m benchmarks.time_to_quality --plot curves.png A.json B.json ...
 
 The first form translates the split with each checkpoint in WORKDIR/checkpoints (train with
-`--config.keep_checkpoints=1000` to keep them all) and with the average of the last
+`--config.keep_checkpoints=1000` to keep them all; `--every_steps N`: those at multiples of N,
+and the last) and with the average of the last
 `average_last_checkpoints`, beam search as the run's config says, and places each on the run's
 training-minutes axis (train_minutes in metrics.jsonl: the loop's time less validation). It
 reports the minutes each BLEU threshold (30, 35, ...) was first reached at. The second form
@@ -43,7 +44,7 @@ def first_reaching(points: list[dict], threshold: float) -> float | None:
   return next((p['minutes'] for p in points if p['bleu'] >= threshold), None)
 
 
-def measure(workdir: str, split: str) -> dict:
+def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
   sys.path.insert(0, REPO)
   import checkpoints
   import input_pipeline
@@ -57,6 +58,8 @@ def measure(workdir: str, split: str) -> dict:
   steps = checkpoints.saved_steps(workdir)
   if not steps:
     raise SystemExit(f'error: no checkpoints in {workdir}.')
+  if every_steps:
+    steps = [s for s in steps if s % every_steps == 0 or s == steps[-1]]
   minutes = minutes_of_steps(workdir, steps)
   points = []
   for step, at in zip(steps, minutes):
@@ -65,7 +68,7 @@ def measure(workdir: str, split: str) -> dict:
     points.append({'step': step, 'minutes': at, 'bleu': scores['bleu'],
                    'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']})
     print(json.dumps(points[-1]), flush=True)
-  count = min(config.average_last_checkpoints, len(steps))
+  count = min(config.average_last_checkpoints, len(checkpoints.saved_steps(workdir)))
   params, origin = translation.load_params(workdir, mesh, None, count)
   scores = translation.score(translator(translator.place(params), sources), references)
   final = {'checkpoint': origin, 'minutes': minutes[-1], 'bleu': scores['bleu'],
@@ -93,6 +96,8 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--workdir', help='A train.py run to measure.')
   parser.add_argument('--split', default='test_2016_flickr')
+  parser.add_argument('--every_steps', type=int, default=0,
+                      help='Only the checkpoints at multiples of this (and the last).')
   parser.add_argument('--json', help='Write the measurement here.')
   parser.add_argument('--plot', help='PNG of the curves in the given JSON files.')
   parser.add_argument('--labels', help='Comma-separated labels for --plot (default: run names).')
@@ -113,7 +118,7 @@ def main(argv=None):
       parser.error(f'{len(labels)} labels for {len(results)} files.')
     print(f'wrote {plot(results, labels, args.plot)}')
     return results
-  result = measure(args.workdir, args.split)
+  result = measure(args.workdir, args.split, args.every_steps)
   print(json.dumps(result['minutes_to']))
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:
