@@ -5,8 +5,8 @@
   python checkpoints.py --workdir runs/multi30k
   python decode.py --workdir runs/multi30k --split test_2016_flickr --checkpoint averaged
 
-A post-LN Transformer (d_model 256, 3+3 layers, 7.6M parameters) that reaches about 35 BLEU on
-test_2016_flickr in 2,000 steps (a 15-minute command on 2 CPU cores), and about 40 with
+A post-LN Transformer (d_model 256, 3+3 layers, 7.6M parameters) that reaches about 37 BLEU on
+test_2016_flickr in 2,000 steps (a 12-minute command on 2 CPU cores), and about 38 with
 `configs/multi30k.py:full` (9,500 steps, dropout 0.3, within 60 training minutes there);
 BENCHMARKS.md has the measured runs. French instead of German: `--config.data.target_lang=fr`.
 """
