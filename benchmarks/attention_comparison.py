@@ -55,25 +55,19 @@ def train_command(variant: str, workdir: str, minutes: float) -> list[str]:
           '--config.eval.bleu_every_steps=250', '--config.eval.every_steps=250']
 
 
-def read_rows(path: str) -> list[dict]:
-  rows = []
-  with open(path, encoding='utf-8') as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
-
-
 def training_summary(run: str) -> dict:
   """Parameters, steps, training minutes and target tokens/s from the run's metrics.jsonl."""
-  rows = read_rows(os.path.join(run, 'metrics.jsonl'))
-  logged = [r for r in rows if 'target_tokens_per_second' in r]
+  from benchmarks import plot_curves
+  try:
+    metrics = plot_curves.read_metrics(os.path.join(run, 'metrics.jsonl'))
+  except plot_curves.CurvesError as e:
+    raise SystemExit(f'error: {e}') from None
+  logged = [dict(row, step=step) for step, row in metrics.items()
+            if 'target_tokens_per_second' in row]
   if not logged:
     raise SystemExit(f'error: {run}/metrics.jsonl has no training rows: did training run?')
   return {
-      'params': next(r['num_params'] for r in rows if 'num_params' in r),
+      'params': int(next(r['num_params'] for r in metrics.values() if 'num_params' in r)),
       'steps': logged[-1]['step'],
       'train_minutes': logged[-1]['train_minutes'],
       # Intervals after the first (which compiles), each a median-robust speed reading.
