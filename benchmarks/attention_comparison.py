@@ -143,8 +143,14 @@ def report(workdir: str, json_path: str | None, plot_path: str | None) -> list[d
       json.dump(results, f, indent=2)
   if plot_path:
     from benchmarks import plot_curves
-    curves = {r['what']: plot_curves.score_against_minutes(plot_curves.read_metrics(
-        os.path.join(workdir, r['variant'], 'metrics.jsonl'))) for r in results}
+    curves = {}
+    for r in results:
+      metrics = plot_curves.read_metrics(os.path.join(workdir, r['variant'], 'metrics.jsonl'))
+      try:
+        curves[r['what']] = plot_curves.score_against_minutes(metrics)
+      except plot_curves.CurvesError:  # Too few steps for a validation BLEU in the budget.
+        print(f"{r['variant']}: no validation BLEU in its budget; not in the plot.",
+              file=sys.stderr)
     plot_curves.plot_runs(curves, plot_path, 'validation BLEU (256 sentences, no averaging)',
                           f'Multi30k en-de, {results[0]["budget_minutes"]:g} training minutes each')
     print(f'wrote {plot_path}', file=sys.stderr)
