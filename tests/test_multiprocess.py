@@ -24,9 +24,10 @@ import numpy as np
 import pytest
 
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
-needs_multi30k = pytest.mark.skipif(
-    not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
-    reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
+NEEDS_MULTI30K = ('needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these '
+                  'machines)')
+needs_multi30k = pytest.mark.skipif(not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
+                                    reason=NEEDS_MULTI30K)
 
 # configs/tiny.py with dropout (its masks must not depend on the processes), evaluation and
 # BLEU every 32 steps, and every checkpoint kept. A small learning rate: tiny's own makes every
@@ -87,6 +88,8 @@ def eval_rows(workdir) -> dict[int, dict]:
 @pytest.fixture(scope='module')
 def two_process_run(tmp_path_factory):
   """2 processes x 2 devices, 36 steps, a checkpoint every 4."""
+  if not os.path.isfile(os.path.join(MULTI30K, 'train.en')):
+    pytest.skip(NEEDS_MULTI30K)
   workdir = tmp_path_factory.mktemp('two_processes') / 'run'
   finished = train(workdir, TWO_PROCESS_STEPS)
   return workdir, finished
@@ -130,7 +133,6 @@ def test_two_processes_train_and_evaluate_like_one(tmp_path, two_process_run):
       str(step) for step in range(4, TWO_PROCESS_STEPS + 1, 4)}
 
 
-@needs_multi30k
 def interrupt_with_sigterm(workdir) -> int:
   """Starts a long 2-process run, sends SIGTERM to process 1 after checkpoint 4, checks that
   both processes stop after the same step with exit code 75; returns that step."""
@@ -149,6 +151,7 @@ def interrupt_with_sigterm(workdir) -> int:
   return step
 
 
+@needs_multi30k
 def test_sigterm_to_one_process_stops_all_after_one_step(tmp_path):
   interrupt_with_sigterm(tmp_path / 'run')
 
