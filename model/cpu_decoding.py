@@ -12,7 +12,9 @@ measured in BENCHMARKS.md, "Decoding":
     optimization barrier, so XLA does not transpose them inside every step.
   * The loop runs in pieces over a cache grown between them, so early steps attend over a
     short cache: `CHUNK_LENGTH` steps, then pieces twice as long (`decoding.chunk_ends`);
-    each piece compiles its own loop body.
+    each piece compiles its own loop body. The self-attention cache is a list of chunks, one
+    per piece: growing it adds an empty chunk instead of copying the cache into a longer one
+    (a copy of the whole cache at every piece, which cost as much as several steps).
   * `block_top_k_extensions` finds the best extensions from the maxima of vocabulary blocks.
 """
 
@@ -22,6 +24,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from model.cpu_rows import on_rows
 
@@ -42,11 +45,12 @@ def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int
     encoder_mask: [batch, src_len] bool, True at real source tokens.
   Returns:
     {'encoder_mask', 'slots' [batch, width, length] int32, 'layers': per layer 'self_keys',
-    'self_values' [batch, heads, head_dim, length * width] and 'cross_keys', 'cross_values'
+    'self_values' (lists of chunks [batch, heads, head_dim, chunk_steps * width], one chunk of
+    `length` steps here, one more per `grow_cache`) and 'cross_keys', 'cross_values'
     [batch, heads, head_dim, src_len]}.
   """
   batch = encoder_mask.shape[0]
-  empty = jnp.zeros((batch, num_heads, head_dim, length * width), dtype)
+  empty = [jnp.zeros((batch, num_heads, head_dim, length * width), dtype)]
   layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(_CARRIED),
                  cross_values=values.transpose(_CARRIED)) for keys, values in cross]
   slots = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
@@ -86,13 +90,21 @@ def reorder_cache(cache: Cache, parents: Array) -> Cache:
 
 
 def grow_cache(cache: Cache, length: int) -> Cache:
-  """Pads the self-attention cache and the slots to `length` steps."""
+  """Makes the cache hold `length` steps: an empty chunk for the steps added, the slots
+  padded (the chunks already written are kept as they are, not copied)."""
   slots = cache['slots']
-  width = slots.shape[1]
-  pad = lambda t: jnp.pad(t, [(0, 0)] * 3 + [(0, length * width - t.shape[3])])
-  layers = [{**layer, 'self_keys': pad(layer['self_keys']),
-             'self_values': pad(layer['self_values'])} for layer in cache['layers']]
-  slots = jnp.pad(slots, [(0, 0), (0, 0), (0, length - slots.shape[2])])
+  batch, width, steps = slots.shape
+  if length <= steps:
+    return cache
+
+  def grow(chunks: list[Array]) -> list[Array]:
+    batch, heads, head_dim, _ = chunks[0].shape
+    return [*chunks, jnp.zeros((batch, heads, head_dim, (length - steps) * width),
+                               chunks[0].dtype)]
+
+  layers = [{**layer, 'self_keys': grow(layer['self_keys']),
+             'self_values': grow(layer['self_values'])} for layer in cache['layers']]
+  slots = jnp.pad(slots, [(0, 0), (0, 0), (0, length - steps)])
   return {**cache, 'slots': slots, 'layers': layers}
 
 
@@ -103,25 +115,33 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
   Args:
     x: [batch, beam, d_model], this step's inputs of every hypothesis.
     step: scalar int, the position being decoded.
-    layer_cache: 'self_keys'/'self_values' [batch, heads, head_dim, steps * beam].
+    step: scalar int, the position being decoded (within the last chunk: the loop's piece).
+    layer_cache: 'self_keys'/'self_values', lists of chunks [batch, heads, head_dim,
+      chunk_steps * beam] that together hold steps * beam entries.
     mask: from `self_attention_mask`.
   Returns:
     [batch, beam, d_model] and the updated 'self_keys'/'self_values'.
   """
   keys, values = attention.project_keys_values(x)  # [batch, beam, heads, head_dim]
   beam = keys.shape[1]
-  # This step's entries of all slots are contiguous: one in-place update.
-  new = {name: jax.lax.dynamic_update_slice_in_dim(
-      layer_cache[name], update.transpose(0, 2, 3, 1), step * beam, axis=3)
+  earlier = sum(chunk.shape[3] for chunk in layer_cache['self_keys'][:-1])
+  # This step's entries of all slots are contiguous: one in-place update of the last chunk.
+  new = {name: [*layer_cache[name][:-1], jax.lax.dynamic_update_slice_in_dim(
+      layer_cache[name][-1], update.transpose(0, 2, 3, 1), step * beam - earlier, axis=3)]
       for name, update in (('self_keys', keys), ('self_values', values))}
   query = on_rows(attention.query, x)  # [batch, beam, heads, head_dim]
   if attention.config.attention_score == 'additive':
-    logits = attention.additive_scores(query.transpose(0, 2, 1, 3), new['self_keys'])
+    chunk_logits = [attention.additive_scores(query.transpose(0, 2, 1, 3), chunk)
+                    for chunk in new['self_keys']]
   else:
-    logits = jnp.einsum('bhqd,bhdk->bhqk', attention.score_query(query).transpose(0, 2, 1, 3),
-                        new['self_keys'], preferred_element_type=jnp.float32)
-  weights = attention.weights(logits, mask)
-  context = jnp.einsum('bhdk,bhqk->bhdq', new['self_values'], weights)
+    query = attention.score_query(query).transpose(0, 2, 1, 3)
+    chunk_logits = [jnp.einsum('bhqd,bhdk->bhqk', query, chunk,
+                               preferred_element_type=jnp.float32)
+                    for chunk in new['self_keys']]
+  weights = attention.weights(jnp.concatenate(chunk_logits, axis=-1), mask)
+  bounds = np.cumsum([chunk.shape[3] for chunk in new['self_values']])[:-1]
+  context = sum(jnp.einsum('bhdk,bhqk->bhdq', chunk, part) for chunk, part in
+                zip(new['self_values'], jnp.split(weights, bounds, axis=-1)))
   return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new
 
 
