@@ -108,6 +108,23 @@ def grow_cache(cache: Cache, length: int) -> Cache:
   return {**cache, 'slots': slots, 'layers': layers}
 
 
+def _project_query_keys_values(attention, x: Array) -> tuple[Array, Array, Array]:
+  """attention's query, key and value projections of x [batch, beam, d_model] as one product
+  with the three kernels side by side (XLA:CPU runs a [rows, 3 * d_model] product much faster
+  than three [rows, d_model] ones). Returns three [batch, beam, heads, head_dim]."""
+  dtype = attention.config.dtype
+  layers = (attention.query, attention.key, attention.value)
+  kernels = [layer.variables['params']['kernel'] for layer in layers]
+  _, heads, head_dim = kernels[0].shape
+  kernel = jnp.concatenate([k.reshape(k.shape[0], -1) for k in kernels], axis=1).astype(dtype)
+  biases = [layer.variables['params'].get('bias') for layer in layers]
+  bias = jnp.concatenate([jnp.zeros((heads, head_dim), dtype) if b is None else b.astype(dtype)
+                          for b in biases], axis=None)
+  rows = x.reshape(-1, x.shape[-1]).astype(dtype)
+  projected = (rows @ kernel + bias).reshape(x.shape[:-1] + (3, heads, head_dim))
+  return projected[..., 0, :, :], projected[..., 1, :, :], projected[..., 2, :, :]
+
+
 def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
                         mask: Array) -> tuple[Array, Cache]:
   """One decoding step of `attention` (a bound MultiHeadAttention) over the transposed cache.
@@ -122,14 +139,13 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
   Returns:
     [batch, beam, d_model] and the updated 'self_keys'/'self_values'.
   """
-  keys, values = attention.project_keys_values(x)  # [batch, beam, heads, head_dim]
+  query, keys, values = _project_query_keys_values(attention, x)
   beam = keys.shape[1]
   earlier = sum(chunk.shape[3] for chunk in layer_cache['self_keys'][:-1])
   # This step's entries of all slots are contiguous: one in-place update of the last chunk.
   new = {name: [*layer_cache[name][:-1], jax.lax.dynamic_update_slice_in_dim(
       layer_cache[name][-1], update.transpose(0, 2, 3, 1), step * beam - earlier, axis=3)]
       for name, update in (('self_keys', keys), ('self_values', values))}
-  query = on_rows(attention.query, x)  # [batch, beam, heads, head_dim]
   if attention.config.attention_score == 'additive':
     chunk_logits = [attention.additive_scores(query.transpose(0, 2, 1, 3), chunk)
                     for chunk in new['self_keys']]
