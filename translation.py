@@ -8,6 +8,7 @@ gives sacreBLEU and chrF.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
@@ -169,6 +170,24 @@ class Translator:
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))
+    # Compiled searches by batch shape; a batch's program compiles in a thread while the
+    # batches before it run, so a call with several shapes waits for the first one only.
+    self._programs: dict[Any, concurrent.futures.Future] = {}
+    self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
+
+  def _program(self, params: Any, arrays: dict[str, np.ndarray],
+               max_length: int) -> concurrent.futures.Future:
+    """The compiled search for a batch shaped as `arrays` (a future), compiling it if new."""
+    leaves, tree = jax.tree_util.tree_flatten(params)
+    shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rows)
+              for name, x in arrays.items()}
+    key = (tree, tuple((x.shape, x.dtype, getattr(x, 'sharding', None)) for x in leaves),
+           max_length, *((name, x.shape) for name, x in sorted(arrays.items())))
+    if key not in self._programs:
+      self._programs[key] = self._compiler.submit(
+          lambda: self._search.lower(params, shapes['inputs'], max_length,
+                                     shapes.get('prefix')).compile())
+    return self._programs[key]
 
   def place(self, params: Any) -> Any:
     """Parameters replicated over the mesh (do it once, not per call)."""
@@ -198,14 +217,18 @@ class Translator:
     batches = input_pipeline.length_batches(sides, self.batch_tokens, longest,
                                             row_multiple=self.mesh.devices.size)
     start, done = time.time(), 0
-    for batch_index, (indices, arrays) in enumerate(batches):
-      ids, count = arrays['inputs'], len(indices)
-      placed = sharding.from_host_copy(arrays, self._rows)
-      max_length = min(ids.shape[1] + self.max_extra_length, self.max_length)
+    programs = []
+    for _, arrays in batches:  # Every batch's program queued for compiling, in batch order.
+      max_length = min(arrays['inputs'].shape[1] + self.max_extra_length, self.max_length)
       if prefixes is not None:  # Room for the prefix and one token more.
-        max_length = min(max(max_length, ids.shape[1] + 1), self.model.config.max_len)
-      sequences, *scores = jax.device_get(self._search(params, placed['inputs'], max_length,
-                                                       placed.get('prefix')))
+        max_length = min(max(max_length, arrays['inputs'].shape[1] + 1),
+                         self.model.config.max_len)
+      programs.append(self._program(params, arrays, max_length))
+    for batch_index, (indices, arrays) in enumerate(batches):
+      count = len(indices)
+      placed = sharding.from_host_copy(arrays, self._rows)
+      sequences, *scores = jax.device_get(programs[batch_index].result()(
+          params, placed['inputs'], placed.get('prefix')))
       for row, index in enumerate(indices):
         if self.details:
           outputs[nonempty[index]] = [self._details(sequences[row, k], scores[0][row, k],
