@@ -107,11 +107,14 @@ def chunk_ends(max_length: int, chunk_length: int) -> list[int]:
   """Where the pieces of a chunked loop end: chunk_length, doubling, then max_length.
 
   Each piece compiles its own loop body; doubling keeps their number logarithmic in
-  max_length, and a cache at most twice the steps decoded so far.
+  max_length, and a cache at most twice the steps decoded so far. A last piece shorter than
+  half the one before it joins that one (one loop body fewer to compile, for a few steps
+  most batches never reach).
   """
   ends = [min(chunk_length, max_length)]
   while ends[-1] < max_length:
-    ends.append(min(2 * ends[-1], max_length))
+    end = 2 * ends[-1]
+    ends.append(max_length if max_length - end < ends[-1] // 2 else end)
   return ends
 
 

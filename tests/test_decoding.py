@@ -394,8 +394,11 @@ def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
 
 
 def test_chunk_ends_double_up_to_the_buffer_length():
-  assert decoding.chunk_ends(66, 8) == [8, 16, 32, 64, 66]
+  assert decoding.chunk_ends(66, 8) == [8, 16, 32, 66]  # Not a 2-step piece after 64.
+  assert decoding.chunk_ends(90, 8) == [8, 16, 32, 64, 90]
+  assert decoding.chunk_ends(40, 8) == [8, 16, 32, 40]
   assert decoding.chunk_ends(64, 8) == [8, 16, 32, 64]
+  assert decoding.chunk_ends(256, 8) == [8, 16, 32, 64, 128, 256]
   assert decoding.chunk_ends(5, 8) == [5]
 
 
