@@ -175,6 +175,11 @@ class Translator:
     self._programs: dict[Any, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
 
+  def _cancel_pending(self) -> None:
+    for key, future in list(self._programs.items()):
+      if future.cancel():
+        del self._programs[key]
+
   def _program(self, params: Any, arrays: dict[str, np.ndarray],
                max_length: int) -> concurrent.futures.Future:
     """The compiled search for a batch shaped as `arrays` (a future), compiling it if new."""
@@ -224,27 +229,39 @@ class Translator:
         max_length = min(max(max_length, arrays['inputs'].shape[1] + 1),
                          self.model.config.max_len)
       programs.append(self._program(params, arrays, max_length))
-    for batch_index, (indices, arrays) in enumerate(batches):
-      count = len(indices)
-      placed = sharding.from_host_copy(arrays, self._rows)
-      sequences, *scores = jax.device_get(programs[batch_index].result()(
-          params, placed['inputs'], placed.get('prefix')))
-      for row, index in enumerate(indices):
-        if self.details:
-          outputs[nonempty[index]] = [self._details(sequences[row, k], scores[0][row, k],
-                                                    scores[1][row, k])
-                                      for k in range(self.nbest) if np.isfinite(scores[0][row, k])]
-        else:
-          outputs[nonempty[index]] = [self.tokenizer.decode(s) for s in sequences[row]]
-        if prefixes is not None:
-          self._keep_prefix(outputs[nonempty[index]], prefixes[nonempty[index]],
-                            sequences[row], int(np.sum(arrays['prefix'][row] != 0)))
-      done += count
-      if progress and (batch_index % 10 == 9 or batch_index == len(batches) - 1):
-        rate = done / (time.time() - start)
-        logging.info('translated %d/%d sentences | %.1f sentences/s | ETA %s', done,
-                     len(nonempty), rate, console.format_duration((len(nonempty) - done) / rate))
+    try:
+      for batch_index, (indices, arrays) in enumerate(batches):
+        count = len(indices)
+        placed = sharding.from_host_copy(arrays, self._rows)
+        sequences, *scores = jax.device_get(programs[batch_index].result()(
+            params, placed['inputs'], placed.get('prefix')))
+        self._collect(outputs, [nonempty[i] for i in indices], sequences, scores,
+                      None if prefixes is None else [prefixes[nonempty[i]] for i in indices],
+                      arrays.get('prefix'))
+        done += count
+        if progress and (batch_index % 10 == 9 or batch_index == len(batches) - 1):
+          rate = done / (time.time() - start)
+          logging.info('translated %d/%d sentences | %.1f sentences/s | ETA %s', done,
+                       len(nonempty), rate, console.format_duration((len(nonempty) - done) / rate))
+    except BaseException:  # Interrupted: compiles not yet started are dropped, not awaited.
+      self._cancel_pending()
+      raise
     return [o[0] for o in outputs] if self.nbest == 1 and not self.details else outputs
+
+  def _collect(self, outputs: list, positions: list[int], sequences: np.ndarray,
+               scores: list[np.ndarray], prefixes: list[str] | None,
+               prefix_ids: np.ndarray | None) -> None:
+    """A batch's search results (rows in the order of `positions`) into outputs[positions]."""
+    for row, position in enumerate(positions):
+      if self.details:
+        outputs[position] = [self._details(sequences[row, k], scores[0][row, k],
+                                           scores[1][row, k])
+                             for k in range(self.nbest) if np.isfinite(scores[0][row, k])]
+      else:
+        outputs[position] = [self.tokenizer.decode(s) for s in sequences[row]]
+      if prefixes is not None:
+        self._keep_prefix(outputs[position], prefixes[row], sequences[row],
+                          int(np.sum(prefix_ids[row] != 0)))
 
   def _keep_prefix(self, outputs: list, prefix: str, sequences: np.ndarray, length: int) -> None:
     """Each output's text as the prefix verbatim + the detokenized rest of its sequence."""

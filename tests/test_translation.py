@@ -68,5 +68,17 @@ def test_translator_compiles_once_per_length_bucket_and_checks_nbest():
   traces = translator.traces
   assert traces == 2 and first[2] == ''  # Two length buckets; the empty line stays empty.
   assert translator(params, sources) == first and translator.traces == traces
+  # A call interrupted at its first batch drops the compiles it queued (not waited for at exit)
+  # and leaves no cancelled program behind: the next call with new shapes compiles them.
+  longer = sources + ['One ' + 'very ' * 20 + 'long sentence.', 'Yet ' + 'more ' * 40 + '.']
+  original_collect = translator._collect
+  def interrupt(*args):
+    raise KeyboardInterrupt
+  translator._collect = interrupt
+  with pytest.raises(KeyboardInterrupt):
+    translator(params, longer)
+  translator._collect = original_collect
+  assert all(not future.cancelled() for future in translator._programs.values())
+  assert translator(params, longer)[:3] == first
   with pytest.raises(ValueError, match='nbest'):
     translation.Translator(transformer, tokenizer, config.decode, sharding.make_mesh(), nbest=5)
