@@ -224,3 +224,20 @@ def test_time_to_quality_scores_every_checkpoint(tiny_run):
   minutes = [p['minutes'] for p in result['points']]
   assert 0 < minutes[0] < minutes[1]
   assert 'average of steps [8, 12]' in result['averaged']['checkpoint']
+
+
+def test_decode_batches_accounts_for_every_sentence_and_its_idle_rows(tmp_path):
+  from benchmarks import decode_batches
+  source = tmp_path / 'source.txt'
+  source.write_text('A dog runs.\n\nTwo men are walking along a long sandy beach at sunset.\n'
+                    'A girl.\n', encoding='utf-8')
+  run = Path(__file__).parent / 'data' / 'legacy_run'
+  report = decode_batches.measure(str(run), str(source), repeats=1)
+  assert report['sentences'] == 3  # The empty line is not decoded.
+  assert sum(row['sentences'] for row in report['batches']) == 3
+  for row in report['batches']:
+    rows = int(row['shape'].split('x')[0])
+    assert 1 <= row['mean_output'] <= row['longest_output']
+    # Busy row-steps: the outputs' total length over rows x longest, padding rows idle.
+    assert 0 < row['busy_fraction'] <= row['sentences'] / rows
+  assert 0 < report['busy_fraction'] <= 1 and report['compile_seconds']
