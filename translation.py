@@ -183,6 +183,7 @@ class Translator:
     self._on_cpu = mesh.devices.flat[0].platform == 'cpu'
 
   def _cancel_pending(self) -> None:
+    """Drops the queued compiles that have not started (a started one runs to its end)."""
     for key, future in list(self._programs.items()):
       if future.cancel():
         del self._programs[key]

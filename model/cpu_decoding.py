@@ -131,7 +131,6 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
 
   Args:
     x: [batch, beam, d_model], this step's inputs of every hypothesis.
-    step: scalar int, the position being decoded.
     step: scalar int, the position being decoded (within the last chunk: the loop's piece).
     layer_cache: 'self_keys'/'self_values', lists of chunks [batch, heads, head_dim,
       chunk_steps * beam] that together hold steps * beam entries.
