@@ -99,8 +99,9 @@ def _limits(length_limits: Array | None, batch_size: int, max_length: int) -> Ar
 
 
 def _set_position(x: Array, step: Array, values: Array) -> Array:
-  """x [batch, n, length] with x[:, :, step] = values [batch, n]."""
-  return jnp.where(jnp.arange(x.shape[-1]) == step, values[:, :, None], x)
+  """x [batch, n, length] with x[:, :, step] = values [batch, n] (step scalar or [batch])."""
+  return jnp.where(jnp.arange(x.shape[-1]) == jnp.reshape(step, (-1, 1, 1)),
+                   values[:, :, None], x)
 
 
 def chunk_ends(max_length: int, chunk_length: int) -> list[int]:
@@ -129,6 +130,67 @@ def _while_loop(cond: Callable, body: Callable, state: dict[str, Any], max_lengt
     state = {**state, 'cache': grow_cache(state['cache'], end)}
     state = jax.lax.while_loop(lambda s, end=end: cond(s) & (s['step'] < end), body, state)
   return state
+
+
+def beam_step(state: dict[str, Any], log_probs: Array, cache: Any, *, limits: Array,
+              penalty_at_limit: Array, alpha: float, nbest: int, stopping: str,
+              select: Callable[..., tuple[Array, Array]], reorder: Callable[[Any, Array], Any],
+              force_full_length: bool = False, prefix: Array | None = None,
+              token_log_probs: bool = False) -> dict[str, Any]:
+  """One step of `beam_search` once the model has scored it: the next state.
+
+  state['step'] is a scalar, or [batch] (a position per sentence, continuous batching; no
+  prefix then). log_probs: [batch, beam, vocab] from the step function, cache its new cache;
+  limits, penalty_at_limit [batch]; the rest as `beam_search`.
+  """
+  step = state['step']
+  beam = state['tokens'].shape[1]
+  vocab = log_probs.shape[-1]
+  allowed = _allowed_tokens(vocab, step, limits, force_full_length, prefix)
+  # The 2 * beam best extensions over all beams: at most `beam` of them are EOS (one per
+  # beam), so at least `beam` can stay live.
+  cand_log_probs, flat = select(log_probs, state['log_probs'], allowed, 2 * beam)
+  parents, tokens = flat // vocab, flat % vocab  # [batch, 2 * beam]
+  cand_seqs = _set_position(gather_beams(state['seqs'], parents), step, tokens)
+  is_eos = tokens == EOS_ID
+  if token_log_probs:  # A candidate's score less its parent's: the new token's.
+    gains = cand_log_probs - jnp.take_along_axis(state['log_probs'], parents, axis=1)
+    cand_token_lps = _set_position(gather_beams(state['token_lps'], parents), step,
+                                   jnp.where(jnp.isfinite(gains), gains, 0.0))
+
+  # Finished: EOS extensions ranked within the best `beam`, merged with the earlier ones.
+  newly_finished = is_eos & (jnp.arange(2 * beam) < beam)
+  penalty = jnp.reshape(length_penalty(step + 1, alpha), (-1, 1))
+  fin_cand = jnp.where(newly_finished, cand_log_probs / penalty, NEG_INF)
+  fin_scores, best = jax.lax.top_k(
+      jnp.concatenate([state['fin_scores'], fin_cand], axis=1), nbest)
+  fin_seqs = gather_beams(jnp.concatenate([state['fin_seqs'], cand_seqs], axis=1), best)
+  # Done sentences keep their result while the others go on.
+  done = state['done']
+  fin_scores = jnp.where(done[:, None], state['fin_scores'], fin_scores)
+  fin_seqs = jnp.where(done[:, None, None], state['fin_seqs'], fin_seqs)
+  extra = {}
+  if token_log_probs:
+    fin_token_lps = gather_beams(
+        jnp.concatenate([state['fin_token_lps'], cand_token_lps], axis=1), best)
+    extra['fin_token_lps'] = jnp.where(done[:, None, None], state['fin_token_lps'],
+                                       fin_token_lps)
+
+  # Live: the best `beam` non-EOS extensions.
+  alive_log_probs, best = jax.lax.top_k(jnp.where(is_eos, NEG_INF, cand_log_probs), beam)
+  parents = jnp.take_along_axis(parents, best, axis=1)  # [batch, beam]
+  tokens = jnp.take_along_axis(tokens, best, axis=1)
+
+  penalty_ahead = length_penalty(step + 2, alpha)
+  if stopping == 'exact':
+    penalty_ahead = jnp.maximum(penalty_at_limit, penalty_ahead)
+  bound = alive_log_probs[:, 0] / penalty_ahead
+  done = done | (step + 1 >= limits) | (bound <= fin_scores[:, -1])
+  if token_log_probs:
+    extra['token_lps'] = gather_beams(cand_token_lps, best)
+  return {**state, 'step': step + 1, 'tokens': tokens, 'log_probs': alive_log_probs,
+          'seqs': gather_beams(cand_seqs, best), 'cache': reorder(cache, parents),
+          'fin_seqs': fin_seqs, 'fin_scores': fin_scores, 'done': done, **extra}
 
 
 def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
@@ -201,54 +263,11 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     return (state['step'] < length) & ~jnp.all(state['done'])
 
   def body(state):
-    step = state['step']
-    log_probs, cache = step_fn(state['tokens'], step, state['cache'])
-    vocab = log_probs.shape[-1]
-    allowed = _allowed_tokens(vocab, step, limits, force_full_length, prefix)
-    # The 2 * beam best extensions over all beams: at most `beam` of them are EOS (one per
-    # beam), so at least `beam` can stay live.
-    cand_log_probs, flat = select(log_probs, state['log_probs'], allowed, 2 * beam)
-    parents, tokens = flat // vocab, flat % vocab  # [batch, 2 * beam]
-    cand_seqs = _set_position(gather_beams(state['seqs'], parents), step, tokens)
-    is_eos = tokens == EOS_ID
-    if token_log_probs:  # A candidate's score less its parent's: the new token's.
-      gains = cand_log_probs - jnp.take_along_axis(state['log_probs'], parents, axis=1)
-      cand_token_lps = _set_position(gather_beams(state['token_lps'], parents), step,
-                                     jnp.where(jnp.isfinite(gains), gains, 0.0))
-
-    # Finished: EOS extensions ranked within the best `beam`, merged with the earlier ones.
-    newly_finished = is_eos & (jnp.arange(2 * beam) < beam)
-    fin_cand = jnp.where(newly_finished, cand_log_probs / length_penalty(step + 1, alpha),
-                         NEG_INF)
-    fin_scores, best = jax.lax.top_k(
-        jnp.concatenate([state['fin_scores'], fin_cand], axis=1), nbest)
-    fin_seqs = gather_beams(jnp.concatenate([state['fin_seqs'], cand_seqs], axis=1), best)
-    # Done sentences keep their result while the others go on.
-    done = state['done']
-    fin_scores = jnp.where(done[:, None], state['fin_scores'], fin_scores)
-    fin_seqs = jnp.where(done[:, None, None], state['fin_seqs'], fin_seqs)
-    extra = {}
-    if token_log_probs:
-      fin_token_lps = gather_beams(
-          jnp.concatenate([state['fin_token_lps'], cand_token_lps], axis=1), best)
-      extra['fin_token_lps'] = jnp.where(done[:, None, None], state['fin_token_lps'],
-                                         fin_token_lps)
-
-    # Live: the best `beam` non-EOS extensions.
-    alive_log_probs, best = jax.lax.top_k(jnp.where(is_eos, NEG_INF, cand_log_probs), beam)
-    parents = jnp.take_along_axis(parents, best, axis=1)  # [batch, beam]
-    tokens = jnp.take_along_axis(tokens, best, axis=1)
-
-    penalty_ahead = length_penalty(step + 2, alpha)
-    if stopping == 'exact':
-      penalty_ahead = jnp.maximum(penalty_at_limit, penalty_ahead)
-    bound = alive_log_probs[:, 0] / penalty_ahead
-    done = done | (step + 1 >= limits) | (bound <= fin_scores[:, -1])
-    if token_log_probs:
-      extra['token_lps'] = gather_beams(cand_token_lps, best)
-    return dict(step=step + 1, tokens=tokens, log_probs=alive_log_probs,
-                seqs=gather_beams(cand_seqs, best), cache=reorder(cache, parents),
-                fin_seqs=fin_seqs, fin_scores=fin_scores, done=done, **extra)
+    log_probs, cache = step_fn(state['tokens'], state['step'], state['cache'])
+    return beam_step(state, log_probs, cache, limits=limits, penalty_at_limit=penalty_at_limit,
+                     alpha=alpha, nbest=nbest, stopping=stopping, select=select,
+                     reorder=reorder, force_full_length=force_full_length, prefix=prefix,
+                     token_log_probs=token_log_probs)
 
   # Step 0: all beams hold the same empty prefix; only beam 0 may extend it.
   init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF)
