@@ -15,6 +15,9 @@ measured in BENCHMARKS.md, "Decoding":
     each piece compiles its own loop body. The self-attention cache is a list of chunks, one
     per piece: growing it adds an empty chunk instead of copying the cache into a longer one
     (a copy of the whole cache at every piece, which cost as much as several steps).
+  * With a position per sentence (`model/continuous_batching.py`), each sentence writes its
+    step's entries into the chunk that holds them, and a chunk no sentence has reached yet
+    is skipped (`lax.cond`).
   * `block_top_k_extensions` finds the best extensions from the maxima of vocabulary blocks.
 """
 
@@ -70,7 +73,8 @@ def cross_keys_values(layer_cache: Cache) -> tuple[Array, Array]:
 
 
 def self_attention_mask(cache: Cache, step: Array) -> tuple[Array, Cache]:
-  """Which cached entries each hypothesis sees at `step`; marks this step's entry its own.
+  """Which cached entries each hypothesis sees at `step` (scalar, or [batch]: a position per
+  sentence); marks this step's entry its own.
 
   Returns the mask [batch, 1, beam, steps * beam] (the cache's order: hypothesis q sees slot s
   at step t iff its ancestor at t lives in slot s) and the cache with `slots` updated.
@@ -78,8 +82,9 @@ def self_attention_mask(cache: Cache, step: Array) -> tuple[Array, Cache]:
   slots = cache['slots']
   batch, beam, steps = slots.shape
   time = jnp.arange(steps)
+  step = jnp.reshape(step, (-1, 1, 1))  # [1 or batch, 1, 1]
   slots = jnp.where(time == step, jnp.arange(beam, dtype=slots.dtype)[None, :, None], slots)
-  visible = (slots[..., None] == jnp.arange(beam)) & (time <= step)[:, None]
+  visible = (slots[..., None] == jnp.arange(beam)) & (time <= step)[..., None]
   return visible.reshape(batch, 1, beam, steps * beam), {**cache, 'slots': slots}
 
 
@@ -131,7 +136,9 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
 
   Args:
     x: [batch, beam, d_model], this step's inputs of every hypothesis.
-    step: scalar int, the position being decoded (within the last chunk: the loop's piece).
+    step: scalar int, the position being decoded (within the last chunk: the loop's piece);
+      or [batch] int, each sentence's own position (continuous batching): each entry is
+      written into the chunk holding it, and a chunk no sentence has reached is skipped.
     layer_cache: 'self_keys'/'self_values', lists of chunks [batch, heads, head_dim,
       chunk_steps * beam] that together hold steps * beam entries.
     mask: from `self_attention_mask`.
@@ -140,24 +147,52 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
   """
   query, keys, values = _project_query_keys_values(attention, x)
   beam = keys.shape[1]
-  earlier = sum(chunk.shape[3] for chunk in layer_cache['self_keys'][:-1])
-  # This step's entries of all slots are contiguous: one in-place update of the last chunk.
-  new = {name: [*layer_cache[name][:-1], jax.lax.dynamic_update_slice_in_dim(
-      layer_cache[name][-1], update.transpose(0, 2, 3, 1), step * beam - earlier, axis=3)]
-      for name, update in (('self_keys', keys), ('self_values', values))}
+  starts = np.cumsum([0] + [chunk.shape[3] for chunk in layer_cache['self_keys']])
+  if jnp.ndim(step) == 0:
+    # This step's entries of all slots are contiguous: one in-place update of the last chunk.
+    new = {name: [*layer_cache[name][:-1], jax.lax.dynamic_update_slice_in_dim(
+        layer_cache[name][-1], update.transpose(0, 2, 3, 1), step * beam - starts[-2], axis=3)]
+        for name, update in (('self_keys', keys), ('self_values', values))}
+    reached = [True] * len(starts[:-1])
+  else:
+    new = {name: [_write_rows(chunk, update, step * beam - start) for chunk, start in
+                  zip(layer_cache[name], starts)]
+           for name, update in (('self_keys', keys), ('self_values', values))}
+    reached = [True] + [jnp.max(step) * beam >= start for start in starts[1:-1]]
   if attention.config.attention_score == 'additive':
-    chunk_logits = [attention.additive_scores(query.transpose(0, 2, 1, 3), chunk)
-                    for chunk in new['self_keys']]
+    query = query.transpose(0, 2, 1, 3)
+    score = lambda chunk: attention.additive_scores(query, chunk)
   else:
     query = attention.score_query(query).transpose(0, 2, 1, 3)
-    chunk_logits = [jnp.einsum('bhqd,bhdk->bhqk', query, chunk,
-                               preferred_element_type=jnp.float32)
-                    for chunk in new['self_keys']]
+    score = lambda chunk: jnp.einsum('bhqd,bhdk->bhqk', query, chunk,
+                                     preferred_element_type=jnp.float32)
+  chunk_logits = [_if_reached(is_reached, score, chunk) for is_reached, chunk in
+                  zip(reached, new['self_keys'])]
   weights = attention.weights(jnp.concatenate(chunk_logits, axis=-1), mask)
-  bounds = np.cumsum([chunk.shape[3] for chunk in new['self_values']])[:-1]
-  context = sum(jnp.einsum('bhdk,bhqk->bhdq', chunk, part) for chunk, part in
-                zip(new['self_values'], jnp.split(weights, bounds, axis=-1)))
+  parts = jnp.split(weights, starts[1:-1], axis=-1)
+  context = sum(_if_reached(is_reached, lambda c: jnp.einsum('bhdk,bhqk->bhdq', *c),
+                            (chunk, part))
+                for is_reached, chunk, part in zip(reached, new['self_values'], parts))
   return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new
+
+
+def _write_rows(chunk: Array, update: Array, offsets: Array) -> Array:
+  """chunk [batch, heads, head_dim, entries] with row b's `beam` entries from offsets[b]
+  set to update [batch, beam, heads, head_dim]; offsets outside the chunk write nothing."""
+  batch, _, _, entries = chunk.shape
+  index = offsets[:, None] + jnp.arange(update.shape[1])  # [batch, beam]
+  index = jnp.where((offsets >= 0)[:, None] & (index < entries), index, entries)
+  return chunk.at[jnp.arange(batch)[:, None], :, :, index].set(update, mode='drop')
+
+
+def _if_reached(reached: bool | Array, compute: Any, operand: Any) -> Array:
+  """compute(operand), or zeros of its shape when `reached` is a traced False (a cache chunk
+  no sentence has reached: its entries are masked out, so its logits and its share of the
+  context are never read)."""
+  if reached is True:
+    return compute(operand)
+  shape = jax.eval_shape(compute, operand)
+  return jax.lax.cond(reached, compute, lambda _: jnp.zeros(shape.shape, shape.dtype), operand)
 
 
 _BLOCK = 128  # Block size when no divisor of the vocabulary fits.

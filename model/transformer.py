@@ -745,7 +745,8 @@ class Transformer(nn.Module):
 
     Args:
       tokens: [batch, beam] int, the tokens at position `step` (0 = start symbol at step 0).
-      step: scalar int32, the position being decoded.
+      step: scalar int32, the position being decoded; with the CPU decoding cache also
+        [batch] int32, a position per sentence (`model/continuous_batching.py`).
       cache: from `init_decode_cache` or the previous step.
     Returns:
       logits [batch, beam, vocab] float32 and the updated cache.
@@ -758,7 +759,8 @@ class Transformer(nn.Module):
       steps = cache['layers'][0]['self_keys'].shape[2]
       self_mask = (jnp.arange(steps) <= step)[None, None, None, :]
     cross_mask = cache['encoder_mask'][:, None, None, :]
-    y = self._embed(tokens, jnp.full(tokens.shape, step, jnp.int32), source=False, train=False)
+    positions = jnp.broadcast_to(jnp.reshape(step, (-1, 1)), tokens.shape).astype(jnp.int32)
+    y = self._embed(tokens, positions, source=False, train=False)
     y, layers = self.decoder.step(y, step, cache['layers'], self_mask, cross_mask)
     return self._logits(y), {**cache, 'layers': layers}
 
