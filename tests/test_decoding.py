@@ -15,6 +15,7 @@ from model import (
   Transformer,
   TransformerConfig,
   beam_search,
+  continuous_batching,
   cpu_decoding,
   decoding,
   greedy_search,
@@ -529,3 +530,56 @@ def test_an_ensemble_of_one_is_the_model_and_of_two_averages_log_probs(medium):
     penalties = np.asarray(length_penalty(output_lengths(seqs[:, k]), ALPHA))
     np.testing.assert_allclose(scores[:, k], mean / penalties, rtol=1e-4, atol=1e-4)
   assert (seqs[:, 0] != single[0][:, 0]).any()  # The second member changes the outputs.
+
+
+# --------------------------------------------------------------------------------------------
+# Continuous batching.
+
+
+def test_pack_queue_places_every_token_where_origin_says():
+  rng = np.random.default_rng(0)
+  sources = [rng.integers(3, 50, size=n).astype(np.int32) for n in [9, 7, 7, 4, 3, 2, 1]]
+  queue = continuous_batching.pack_queue(sources, length_multiple=8, row_multiple=2)
+  packed, segmentation, origin = queue['sources'], queue['segmentation'], queue['origin']
+  assert packed.shape[1] == 16 and packed.shape[0] % 2 == 0 and origin.shape == (7, 16)
+  assert packed.shape[0] < len(sources)  # Sentences share rows.
+  for i, tokens in enumerate(sources):
+    where = origin[i, :len(tokens)]
+    np.testing.assert_array_equal(packed.reshape(-1)[where], tokens)
+    assert np.all(segmentation.reshape(-1)[where] == i + 1)
+    assert np.all(origin[i, len(tokens):] == -1)
+  assert np.count_nonzero(segmentation) == sum(len(x) for x in sources)
+
+
+@pytest.mark.parametrize('stopping,nbest', [('early', 1), ('exact', 2)])
+def test_continuous_batching_gives_each_sentence_the_batch_search_result(stopping, nbest):
+  """20 sentences through 4 slots (refilled 2 at a time): every sentence's outputs and scores
+  are those of the batch search, whichever sentences it shared the loop with."""
+  model, params = make_model(20, seed=1, scale=1.0, eos_bias=1.2, cpu_tuned=True)
+  lengths = np.random.default_rng(4).integers(1, 12, size=20)
+  sources = random_sources(np.random.default_rng(5), lengths, 20)
+  order = np.argsort(-lengths, kind='stable')
+  queue = continuous_batching.pack_queue([sources[i, :n] for i, n in zip(order, lengths[order])])
+  queue['origin'] = np.pad(queue['origin'], [(0, 4), (0, 0)], constant_values=-1)  # Padding.
+  settings = dict(beam_size=4, nbest=nbest, stopping=stopping, max_length=30,
+                  max_extra_length=18)
+  seqs, scores = jitted(continuous_batching.transformer_continuous_beam_search, model,
+                        slots=4, refill=2, **settings)(params, queue, 20)
+  want_seqs, want_scores = jitted(transformer_beam_search, model, **settings)(
+      params, sources[order])
+  np.testing.assert_array_equal(np.asarray(seqs)[:20], np.asarray(want_seqs))
+  np.testing.assert_allclose(np.asarray(scores)[:20], np.asarray(want_scores), rtol=1e-5,
+                             atol=1e-5)
+  assert np.all(np.asarray(scores)[20:] == -np.inf)
+  # Sentences end at many steps (slots refill at different times), some in the cache's
+  # later chunks (chunk_ends: 8, 16, 30).
+  lengths_out = output_lengths(np.asarray(seqs)[:20, 0])
+  assert len(set(lengths_out)) > 3 and lengths_out.max() > 16
+
+
+def test_continuous_batching_needs_the_cpu_decoding_cache():
+  model, params = make_model(20, cpu_tuned=False)
+  queue = continuous_batching.pack_queue([np.array([5, 6, EOS_ID], np.int32)])
+  with pytest.raises(ValueError, match='CPU decoding cache'):
+    continuous_batching.transformer_continuous_beam_search(model, params, queue, 1, slots=2,
+                                                           refill=1)

@@ -1,0 +1,189 @@
+"""Beam search over a pool of sentence slots, each refilled as soon as its sentence ends.
+
+A batch search (`decoding.beam_search`) runs every sentence of a batch until the slowest one
+ends: on real text nearly half of its hypothesis-steps decode sentences already done. Here
+the loop runs `slots` sentences at a time, each at its own position; a slot whose sentence
+ends takes the next sentence of the queue at the next step, so every step decodes running
+sentences until the queue is empty. The queue is encoded once, up front.
+
+Each sentence's search is `beam_search`'s (`decoding.beam_step`, the same stopping rules,
+length limits and scores); only the steps at which its neighbours start and end differ. It
+runs on the CPU decoding cache (`model/cpu_decoding.py`) with a position per sentence, whose
+self-attention chunks no running sentence has reached are skipped.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from model import cpu_decoding
+from model.decoding import NEG_INF, STOPPING_RULES, beam_step, chunk_ends, length_penalty
+from model.transformer import PAD_ID, Transformer
+
+Array = jax.Array
+
+
+def pack_queue(sources: list[np.ndarray], length_multiple: int = 8,
+               row_multiple: int = 8) -> dict[str, np.ndarray]:
+  """The queue of `sources` (1-D int token arrays, EOS included, in decoding order) as the
+  inputs of `transformer_continuous_beam_search`: the sentences packed into rows for the
+  encoder (first fit, in order), and where each sentence's tokens went.
+
+  Returns {'sources': [rows, width] int32 (width: the longest source rounded up to
+  `length_multiple`, rows to `row_multiple`), 'segmentation': [rows, width] int32 (0:
+  padding), 'origin': [queue, width] int32, the flat index into sources of each sentence's
+  j-th token, -1 past its end}.
+  """
+  lengths = np.array([len(x) for x in sources], np.int64)
+  width = max(length_multiple, -(-int(lengths.max(initial=1)) // length_multiple) *
+              length_multiple)
+  free = np.zeros(0, np.int64)  # Free tokens left in each row.
+  placed = np.zeros((len(sources), 2), np.int64)  # Row and offset of each sentence.
+  for i, n in enumerate(lengths):
+    fits = np.flatnonzero(free >= n)
+    if fits.size:
+      row = int(fits[0])
+    else:
+      row, free = len(free), np.append(free, width)
+    placed[i] = row, width - free[row]
+    free[row] -= n
+  rows = max(row_multiple, -(-len(free) // row_multiple) * row_multiple)
+  packed = np.zeros((rows, width), np.int32)
+  segmentation = np.zeros((rows, width), np.int32)
+  origin = np.full((len(sources), width), -1, np.int32)
+  for i, ((row, offset), tokens) in enumerate(zip(placed, sources)):
+    packed[row, offset:offset + len(tokens)] = tokens
+    segmentation[row, offset:offset + len(tokens)] = i + 1
+    origin[i, :len(tokens)] = row * width + offset + np.arange(len(tokens))
+  return {'sources': packed, 'segmentation': segmentation, 'origin': origin}
+
+
+def transformer_continuous_beam_search(
+    model: Transformer, params: Any, queue: dict[str, Array], count: Array | int, *,
+    slots: int, refill: int, beam_size: int = 4, alpha: float = 0.6,
+    max_length: int | None = None, max_extra_length: int = 50, nbest: int = 1,
+    stopping: str = 'exact') -> tuple[Array, Array]:
+  """`transformer_beam_search`'s translations of a queue of sentences, `slots` at a time.
+
+  Args:
+    model: a Transformer on the CPU decoding path (`TransformerConfig.use_cpu_decoding`).
+    queue: from `pack_queue` (arrays of any count of sentences padded with empty ones); its
+      first `count` sentences are decoded, in order. Longest first leaves the shortest for
+      the end, when slots start running empty.
+    count: scalar int, how many sentences of the queue to decode (the rest is padding).
+    slots: sentences decoded at once.
+    refill: at most this many empty slots take a new sentence per step.
+    Others as `transformer_beam_search` (src_len: the queue's width).
+  Returns:
+    sequences [queue, nbest, max_length] int32 and scores [queue, nbest] float32, as
+    `transformer_beam_search`'s (sentences from `count` on: zeros and -inf).
+  """
+  config = model.config
+  if not config.use_cpu_decoding:
+    raise ValueError('continuous batching runs on the CPU decoding cache (cpu_tuned, softmax '
+                     'attention); use transformer_beam_search.')
+  if stopping not in STOPPING_RULES:
+    raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
+  if not 1 <= nbest <= beam_size:
+    raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
+  origin = jnp.asarray(queue['origin'])
+  queue_size, src_len = origin.shape
+  if max_length is None:
+    max_length = min(src_len + max_extra_length, config.max_len)
+  beam, length = beam_size, max_length
+  variables = {'params': params}
+  source_lengths = jnp.sum(origin >= 0, axis=1, dtype=jnp.int32)
+  queue_limits = jnp.minimum(jnp.where(source_lengths > 0, source_lengths + max_extra_length, 1),
+                             length)
+  queue_mask = origin >= 0
+
+  def cross_keys_values(m, sources, segmentation):
+    """Per layer the queue's cross-attention keys/values [queue, heads, head_dim, src_len]:
+    the packed rows encoded, each sentence's tokens gathered from its row."""
+    cross = m.decoder.cross_keys_values(m.encode(sources, segmentation))
+    take = lambda x: x.reshape((-1,) + x.shape[2:])[jnp.maximum(origin, 0)].transpose(
+        cpu_decoding._CARRIED)
+    return [(take(keys), take(values)) for keys, values in cross]
+
+  cross = model.apply(variables, jnp.asarray(queue['sources']),
+                      jnp.asarray(queue['segmentation']), method=cross_keys_values)
+
+  ends = chunk_ends(length, cpu_decoding.CHUNK_LENGTH)
+  chunk = lambda n: jnp.zeros((slots, config.num_heads, config.head_dim, n * beam), config.dtype)
+  chunks = [chunk(end - start) for start, end in zip([0] + ends[:-1], ends)]
+  cross_slot = jnp.zeros((slots,) + cross[0][0].shape[1:], config.dtype)
+  cache = {'encoder_mask': jnp.zeros((slots, src_len), bool),
+           'slots': jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32)[None, :, None],
+                                     (slots, beam, length)),
+           'layers': [dict(self_keys=chunks, self_values=chunks, cross_keys=cross_slot,
+                           cross_values=cross_slot) for _ in cross]}
+  state = dict(
+      step=jnp.zeros((slots,), jnp.int32),
+      tokens=jnp.full((slots, beam), PAD_ID, jnp.int32),
+      log_probs=jnp.full((slots, beam), NEG_INF, jnp.float32),
+      seqs=jnp.zeros((slots, beam, length), jnp.int32),
+      cache=cache,
+      fin_seqs=jnp.zeros((slots, nbest, length), jnp.int32),
+      fin_scores=jnp.full((slots, nbest), NEG_INF, jnp.float32),
+      done=jnp.ones((slots,), bool),
+      sentence=jnp.full((slots,), queue_size, jnp.int32),  # queue_size: none
+      limits=jnp.ones((slots,), jnp.int32),
+      next=jnp.array(0, jnp.int32),
+      out_seqs=jnp.zeros((queue_size, nbest, length), jnp.int32),
+      out_scores=jnp.full((queue_size, nbest), NEG_INF, jnp.float32))
+  count = jnp.minimum(jnp.asarray(count, jnp.int32), queue_size)
+  init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF).astype(jnp.float32)
+
+  def fill(state: dict[str, Any], size: int) -> dict[str, Any]:
+    """Up to `size` empty slots take the next sentences of the queue."""
+    empty = state['done']
+    slot = jnp.nonzero(empty, size=size, fill_value=slots)[0]
+    sentence = state['next'] + jnp.arange(size, dtype=jnp.int32)
+    valid = (slot < slots) & (sentence < count)
+    slot = jnp.where(valid, slot, slots)  # Out of range: written nowhere.
+    sentence = jnp.where(valid, sentence, 0)
+    put = lambda x, value: x.at[slot].set(value, mode='drop')
+    layers = [{**layer, 'cross_keys': put(layer['cross_keys'], keys[sentence]),
+               'cross_values': put(layer['cross_values'], values[sentence])}
+              for layer, (keys, values) in zip(state['cache']['layers'], cross)]
+    cache = {**state['cache'], 'layers': layers,
+             'encoder_mask': put(state['cache']['encoder_mask'], queue_mask[sentence])}
+    return {**state, 'cache': cache,
+            'step': put(state['step'], 0), 'tokens': put(state['tokens'], PAD_ID),
+            'log_probs': put(state['log_probs'], init_log_probs),
+            'seqs': put(state['seqs'], 0), 'fin_seqs': put(state['fin_seqs'], 0),
+            'fin_scores': put(state['fin_scores'], NEG_INF), 'done': put(state['done'], False),
+            'sentence': put(state['sentence'], sentence),
+            'limits': put(state['limits'], queue_limits[sentence]),
+            'next': state['next'] + jnp.sum(valid, dtype=jnp.int32)}
+
+  # The CPU step function gives logits; the top-k normalises the blocks it selects.
+  select = functools.partial(cpu_decoding.block_top_k_extensions, from_logits=True)
+
+  def body(state: dict[str, Any]) -> dict[str, Any]:
+    state = fill(state, refill)
+    running = ~state['done']
+    logits, cache = model.apply(variables, state['tokens'], state['step'], state['cache'],
+                                method='decode_step')
+    new = beam_step(state, logits, cache, limits=state['limits'],
+                    penalty_at_limit=length_penalty(state['limits'], alpha), alpha=alpha,
+                    nbest=nbest, stopping=stopping, select=select,
+                    reorder=cpu_decoding.reorder_cache)
+    # Sentences that ended this step hand in their result and free their slot.
+    ended = running & new['done']
+    target = jnp.where(ended, state['sentence'], queue_size)
+    new['out_seqs'] = state['out_seqs'].at[target].set(new['fin_seqs'], mode='drop')
+    new['out_scores'] = state['out_scores'].at[target].set(new['fin_scores'], mode='drop')
+    # An empty slot stays at step 0, so it keeps no cache chunk in use.
+    new['step'] = jnp.where(new['done'], 0, new['step'])
+    return new
+
+  state = fill(state, slots)
+  state = jax.lax.while_loop(
+      lambda s: (s['next'] < count) | ~jnp.all(s['done']), body, state)
+  return state['out_seqs'], state['out_scores']
