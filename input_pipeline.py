@@ -1106,6 +1106,19 @@ def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
 # ----------------------------------------------------------------------------- evaluation
 
 
+def truncate(seqs: Sequence[np.ndarray], max_length: int, name: str) -> list[np.ndarray]:
+  """seqs with those longer than max_length cut to max_length (ending in EOS), with a
+  warning naming them as `name`."""
+  seqs = list(seqs)
+  long = [i for i, x in enumerate(seqs) if len(x) > max_length]
+  if long:
+    logging.warning('Truncating %d %s sequences longer than %d tokens (indices %s...).',
+                    len(long), name, max_length, long[:10])
+  for i in long:
+    seqs[i] = np.append(np.asarray(seqs[i][:max_length - 1]), EOS_ID)
+  return seqs
+
+
 def length_batches(sides: dict[str, Sequence[np.ndarray]], max_batch_tokens: int,
                    max_length: int | None = None, row_multiple: int = 1,
                    length_multiple: int = 8) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
@@ -1125,13 +1138,7 @@ def length_batches(sides: dict[str, Sequence[np.ndarray]], max_batch_tokens: int
   """
   sides = {k: list(v) for k, v in sides.items()}
   if max_length is not None:
-    for name, seqs in sides.items():
-      long = [i for i, x in enumerate(seqs) if len(x) > max_length]
-      if long:
-        logging.warning('Truncating %d %s sequences longer than %d tokens (indices %s...).',
-                        len(long), name, max_length, long[:10])
-      for i in long:
-        seqs[i] = np.append(np.asarray(seqs[i][:max_length - 1]), EOS_ID)
+    sides = {name: truncate(seqs, max_length, name) for name, seqs in sides.items()}
   count = len(next(iter(sides.values())))
   longest = [max(len(seqs[i]) for seqs in sides.values()) for i in range(count)]
   padded = [max(1, -(-n // length_multiple) * length_multiple) for n in longest]

@@ -87,10 +87,11 @@ def from_host_rows(local_rows: dict[str, np.ndarray], sharding: NamedSharding) -
   return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_rows.items()}
 
 
-def from_host_copy(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict:
-  """A batch every process holds in full -> global arrays split as `sharding`."""
-  return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
-          for k, v in batch.items()}
+def from_host_copy(batch: Any, sharding: NamedSharding) -> Any:
+  """A batch (a pytree of arrays) every process holds in full -> global arrays split as
+  `sharding`."""
+  return jax.tree_util.tree_map(
+      lambda v: jax.make_array_from_callback(v.shape, sharding, lambda index: v[index]), batch)
 
 
 def one_program_in_flight(mesh: Mesh) -> bool:

@@ -35,6 +35,7 @@ from model import (
     transformer_ensemble_beam_search,
     upgrade_params,
 )
+from model.continuous_batching import pack_queue, transformer_continuous_beam_search
 from model.decoding import STOPPING_RULES
 
 # config.json of runs written before the config had groups: old key -> (group, key).
@@ -125,11 +126,24 @@ def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
 _CPU_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
 
 
+# Continuous batching (`model/continuous_batching.py`): sentences decoded at once, the most
+# empty slots refilled per step, and the most sentences one search takes (its queue holds
+# their cross-attention keys and values).
+CONTINUOUS_SLOTS = 128
+CONTINUOUS_REFILL = 16
+CONTINUOUS_QUEUE = 4096
+
+
 class Translator:
   """Beam-search translation of text, batched by length and split over a mesh's devices.
 
   The jitted search is built once: every later call with a source-length bucket seen before
   reuses its compiled program. Results are gathered to every process.
+
+  On one CPU device (the CPU decoding path), a call with more than CONTINUOUS_SLOTS sentences
+  and neither an ensemble, target prefixes nor per-token details decodes them with
+  continuous batching: the same search per sentence, without the steps a batch spends on
+  sentences already done.
   """
 
   def __init__(self, model: Transformer | list[Transformer], tokenizer: input_pipeline.Tokenizer,
@@ -161,10 +175,10 @@ class Translator:
     if self.stopping not in STOPPING_RULES:
       raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {self.stopping!r}.')
     self.max_length = min(decode_config.max_length, model.config.max_len)
-    self.traces = 0  # How many times the search was traced (once per length bucket).
+    self.traces = 0  # How many times a search was traced (once per batch or queue shape).
     self._rows = sharding.rows(mesh)
 
-    def search(params, inputs, max_length, prefix=None):
+    def search(params, inputs, prefix=None, *, max_length):
       self.traces += 1
       settings = dict(beam_size=self.beam_size, alpha=self.alpha, max_length=max_length,
                       max_extra_length=self.max_extra_length, nbest=nbest,
@@ -176,6 +190,17 @@ class Translator:
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))
+
+    def continuous_search(params, queue, count, *, max_length):
+      self.traces += 1
+      return transformer_continuous_beam_search(
+          model, params, queue, count, slots=CONTINUOUS_SLOTS, refill=CONTINUOUS_REFILL,
+          beam_size=self.beam_size, alpha=self.alpha, max_length=max_length,
+          max_extra_length=self.max_extra_length, nbest=nbest, stopping=self.stopping)
+
+    self._continuous_search = jax.jit(continuous_search, static_argnames='max_length')
+    self._continuous = (not self.models and not details and mesh.devices.size == 1 and
+                        jax.process_count() == 1 and model.config.use_cpu_decoding)
     # Compiled searches by batch shape; a batch's program compiles in a thread while the
     # batches before it run, so a call with several shapes waits for the first one only.
     self._programs: dict[Any, concurrent.futures.Future] = {}
@@ -188,20 +213,55 @@ class Translator:
       if future.cancel():
         del self._programs[key]
 
-  def _program(self, params: Any, arrays: dict[str, np.ndarray],
+  def _program(self, search: Any, params: Any, args: tuple, in_sharding: Any,
                max_length: int) -> concurrent.futures.Future:
-    """The compiled search for a batch shaped as `arrays` (a future), compiling it if new."""
+    """search compiled for params and `args` (host arrays or None, placed as `in_sharding`)
+    shaped as these are (a future), compiling it if new."""
     leaves, tree = jax.tree_util.tree_flatten(params)
-    shapes = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=self._rows)
-              for name, x in arrays.items()}
-    key = (tree, tuple((x.shape, x.dtype, getattr(x, 'sharding', None)) for x in leaves),
-           max_length, *((name, x.shape) for name, x in sorted(arrays.items())))
+    shapes = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=in_sharding), args)
+    key = (id(search), tree, tuple((x.shape, x.dtype, getattr(x, 'sharding', None))
+                                   for x in leaves),
+           max_length, str(jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)))
     if key not in self._programs:
       self._programs[key] = self._compiler.submit(
-          lambda: self._search.lower(params, shapes['inputs'], max_length,
-                                     shapes.get('prefix')).compile(
-                                         _CPU_COMPILER_OPTIONS if self._on_cpu else None))
+          lambda: search.lower(params, *shapes, max_length=max_length).compile(
+              _CPU_COMPILER_OPTIONS if self._on_cpu else None))
     return self._programs[key]
+
+  def _jobs(self, params: Any, sides: dict[str, list[np.ndarray]], prefixes: bool
+            ) -> list[tuple[np.ndarray, concurrent.futures.Future, tuple, Any]]:
+    """The searches a call runs: per search, the indices into `sides` of its sentences (in
+    the order of its result rows), its compiled program (a future, queued for compiling in
+    the order the searches run), its arguments after the parameters and their sharding."""
+    longest = self.model.config.max_len - prefixes  # A prefix needs one more.
+    inputs = sides['inputs']
+    if self._continuous and not prefixes and len(inputs) > CONTINUOUS_SLOTS:
+      inputs = input_pipeline.truncate(inputs, longest, 'inputs')
+      order = np.argsort([-len(x) for x in inputs], kind='stable')  # Longest first.
+      jobs = []
+      for start in range(0, len(order), CONTINUOUS_QUEUE):
+        indices = order[start:start + CONTINUOUS_QUEUE]
+        queue = pack_queue([inputs[i] for i in indices], row_multiple=64)
+        size = max(CONTINUOUS_SLOTS, 1 << (len(indices) - 1).bit_length())
+        queue['origin'] = np.pad(queue['origin'], [(0, size - len(indices)), (0, 0)],
+                                 constant_values=-1)
+        max_length = min(queue['origin'].shape[1] + self.max_extra_length, self.max_length)
+        args = (queue, np.int32(len(indices)))
+        jobs.append((indices, self._program(self._continuous_search, params, args, None,
+                                            max_length), args, None))
+      return jobs
+    jobs = []
+    for indices, arrays in input_pipeline.length_batches(
+        sides, self.batch_tokens, longest, row_multiple=self.mesh.devices.size):
+      max_length = min(arrays['inputs'].shape[1] + self.max_extra_length, self.max_length)
+      if prefixes:  # Room for the prefix and one token more.
+        max_length = min(max(max_length, arrays['inputs'].shape[1] + 1),
+                         self.model.config.max_len)
+      args = (arrays['inputs'], arrays.get('prefix'))
+      jobs.append((indices, self._program(self._search, params, args, self._rows, max_length),
+                   args, self._rows))
+    return jobs
 
   def place(self, params: Any) -> Any:
     """Parameters replicated over the mesh (do it once, not per call)."""
@@ -227,28 +287,20 @@ class Translator:
     sides = {'inputs': [token_ids[i] for i in nonempty]}
     if prefixes is not None:  # Without the EOS the tokenizer adds.
       sides['prefix'] = [x[:-1] for x in self.tokenizer.encode([prefixes[i] for i in nonempty])]
-    longest = self.model.config.max_len - (prefixes is not None)  # A prefix needs one more.
-    batches = input_pipeline.length_batches(sides, self.batch_tokens, longest,
-                                            row_multiple=self.mesh.devices.size)
+    jobs = self._jobs(params, sides, prefixes is not None)
     start, done = time.time(), 0
-    programs = []
-    for _, arrays in batches:  # Every batch's program queued for compiling, in batch order.
-      max_length = min(arrays['inputs'].shape[1] + self.max_extra_length, self.max_length)
-      if prefixes is not None:  # Room for the prefix and one token more.
-        max_length = min(max(max_length, arrays['inputs'].shape[1] + 1),
-                         self.model.config.max_len)
-      programs.append(self._program(params, arrays, max_length))
+    logged = start
     try:
-      for batch_index, (indices, arrays) in enumerate(batches):
+      for job_index, (indices, program, args, in_sharding) in enumerate(jobs):
         count = len(indices)
-        placed = sharding.from_host_copy(arrays, self._rows)
-        sequences, *scores = jax.device_get(programs[batch_index].result()(
-            params, placed['inputs'], placed.get('prefix')))
+        placed = args if in_sharding is None else sharding.from_host_copy(args, in_sharding)
+        sequences, *scores = jax.device_get(program.result()(params, *placed))
         self._collect(outputs, [nonempty[i] for i in indices], sequences, scores,
                       None if prefixes is None else [prefixes[nonempty[i]] for i in indices],
-                      arrays.get('prefix'))
+                      args[1] if prefixes is not None else None)
         done += count
-        if progress and (batch_index % 10 == 9 or batch_index == len(batches) - 1):
+        if progress and (time.time() - logged >= 10 or job_index == len(jobs) - 1):
+          logged = time.time()
           rate = done / (time.time() - start)
           logging.info('translated %d/%d sentences | %.1f sentences/s | ETA %s', done,
                        len(nonempty), rate, console.format_duration((len(nonempty) - done) / rate))

@@ -82,3 +82,24 @@ def test_translator_compiles_once_per_length_bucket_and_checks_nbest():
   assert translator(params, longer)[:3] == first
   with pytest.raises(ValueError, match='nbest'):
     translation.Translator(transformer, tokenizer, config.decode, sharding.make_mesh(), nbest=5)
+
+
+def test_continuous_batching_translates_as_the_batch_search(monkeypatch):
+  """More sentences than slots on one CPU device: the Translator decodes them with continuous
+  batching (one search for the lot), with the batch search's translations and nbest lists."""
+  monkeypatch.setattr(translation, 'CONTINUOUS_SLOTS', 4)
+  monkeypatch.setattr(translation, 'CONTINUOUS_REFILL', 2)
+  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  params, _ = translation.load_params(str(LEGACY_RUN), mesh)
+  sources = LEGACY_SOURCES * 3 + ['', 'A dog runs.', 'Two men are walking along a beach.']
+  results = {}
+  for continuous in (True, False):
+    translator = translation.Translator(model, tokenizer, config.decode, mesh, nbest=2)
+    assert translator._continuous  # One CPU device, no ensemble, prefixes or details.
+    translator._continuous = continuous
+    results[continuous] = translator(params, sources)
+    assert translator.traces == (1 if continuous else len(translator._programs))
+  assert results[True] == results[False]
+  assert len({t[0] for t in results[True]}) > 3
+  assert results[True][len(LEGACY_SOURCES) * 3] == ['', '']  # The empty line.
