@@ -8,6 +8,9 @@ shape's beam search (timed), then times every batch over `--repeats` passes (the
 pass is reported). Per batch: rows x padded source length, sentences, the longest output
 (the steps a batch runs under `stopping='early'`), the mean output length and the fraction
 of row-steps that decode a sentence still running (sum of output lengths / (rows x longest)).
+Then the same sentences through continuous batching (`model/continuous_batching.py`, what
+`decode.py` runs on one CPU device for more than `translation.CONTINUOUS_SLOTS` sentences):
+its compile time, its pass, and whether its translations equal the batches'.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import numpy as np
 import input_pipeline
 import sharding
 import translation
-from model import EOS_ID, transformer_beam_search
+from model import EOS_ID, continuous_batching, transformer_beam_search
 
 
 def measure(workdir: str, source: str, checkpoint: str | None = None,
@@ -50,7 +53,7 @@ def measure(workdir: str, source: str, checkpoint: str | None = None,
       start = time.time()
       compiled[key] = search.lower(params, ids, max_length=key[1]).compile()
       compile_seconds[f'{ids.shape[0]}x{ids.shape[1]}'] = time.time() - start
-  rows = []
+  rows, batch_best = [], {}
   for indices, arrays in batches:
     ids = arrays['inputs']
     program = compiled[(ids.shape, max_length(ids))]
@@ -59,18 +62,52 @@ def measure(workdir: str, source: str, checkpoint: str | None = None,
       start = time.time()
       sequences, _ = jax.device_get(program(params, ids))
       seconds.append(time.time() - start)
+    batch_best.update((int(i), sequences[r, 0]) for r, i in enumerate(indices))
     lengths = (np.argmax(sequences[:len(indices), 0] == EOS_ID, axis=1) + 1)
     longest = int(lengths.max())
     rows.append({'shape': f'{ids.shape[0]}x{ids.shape[1]}', 'sentences': len(indices),
                  'longest_output': longest, 'mean_output': float(lengths.mean()),
                  'busy_fraction': float(lengths.sum() / (ids.shape[0] * longest)),
                  'seconds': min(seconds)})
+  continuous = measure_continuous(model, params, tokenizer.encode(lines), decode, repeats,
+                                  batch_best)
   busy = sum(r['busy_fraction'] * int(r['shape'].split('x')[0]) * r['longest_output']
              for r in rows)
   total = sum(int(r['shape'].split('x')[0]) * r['longest_output'] for r in rows)
   return {'checkpoint': origin, 'sentences': len(lines), 'batches': rows,
           'compile_seconds': compile_seconds, 'pass_seconds': sum(r['seconds'] for r in rows),
-          'busy_fraction': busy / total}
+          'busy_fraction': busy / total, 'continuous': continuous}
+
+
+def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats: int,
+                       batch_best: dict[int, np.ndarray]) -> dict:
+  """Compile time and fastest pass of continuous batching over `sources` (queued as the
+  Translator queues them), and whether its best translations equal `batch_best` (by index)."""
+  order = np.argsort([-len(x) for x in sources], kind='stable')
+  queue = continuous_batching.pack_queue([sources[i] for i in order], row_multiple=64)
+  size = max(translation.CONTINUOUS_SLOTS, 1 << (len(order) - 1).bit_length())
+  queue['origin'] = np.pad(queue['origin'], [(0, size - len(order)), (0, 0)],
+                           constant_values=-1)
+  search = jax.jit(functools.partial(
+      continuous_batching.transformer_continuous_beam_search, model,
+      slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
+      beam_size=decode.beam_size, alpha=decode.alpha, max_extra_length=decode.max_extra_length,
+      stopping=decode.get('stopping', 'exact')), static_argnames='max_length')
+  max_length = min(queue['origin'].shape[1] + decode.max_extra_length, decode.max_length,
+                   model.config.max_len)
+  start = time.time()
+  program = search.lower(params, queue, np.int32(len(order)), max_length=max_length).compile()
+  compile_seconds = time.time() - start
+  seconds = []
+  for _ in range(repeats):
+    start = time.time()
+    sequences, _ = jax.device_get(program(params, queue, np.int32(len(order))))
+    seconds.append(time.time() - start)
+  ended = lambda x: x[:int(np.argmax(x == EOS_ID)) + 1]  # Up to the EOS.
+  same = all(np.array_equal(ended(sequences[row, 0]), ended(batch_best[int(i)]))
+             for row, i in enumerate(order))
+  return {'queue': f"{size}x{queue['origin'].shape[1]}", 'compile_seconds': compile_seconds,
+          'pass_seconds': min(seconds), 'same_translations_as_batches': same}
 
 
 def main():
@@ -89,6 +126,10 @@ def main():
           f" | {row['seconds']:.3f} s")
   print(f"pass {report['pass_seconds']:.2f} s | busy row-steps {report['busy_fraction']:.2f} | "
         f"compiling {sum(report['compile_seconds'].values()):.2f} s")
+  continuous = report['continuous']
+  print(f"continuous batching ({continuous['queue']} queue): pass "
+        f"{continuous['pass_seconds']:.2f} s | compiling {continuous['compile_seconds']:.2f} s | "
+        f"same translations: {continuous['same_translations_as_batches']}")
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump(report, f, indent=2)

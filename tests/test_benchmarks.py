@@ -241,3 +241,5 @@ def test_decode_batches_accounts_for_every_sentence_and_its_idle_rows(tmp_path):
     # Busy row-steps: the outputs' total length over rows x longest, padding rows idle.
     assert 0 < row['busy_fraction'] <= row['sentences'] / rows
   assert 0 < report['busy_fraction'] <= 1 and report['compile_seconds']
+  continuous = report['continuous']
+  assert continuous['same_translations_as_batches'] and continuous['pass_seconds'] > 0
