@@ -16,8 +16,8 @@ measured in BENCHMARKS.md, "Decoding":
     per piece: growing it adds an empty chunk instead of copying the cache into a longer one
     (a copy of the whole cache at every piece, which cost as much as several steps).
   * With a position per sentence (`model/continuous_batching.py`), each sentence writes its
-    step's entries into the chunk that holds them, and a chunk no sentence has reached yet
-    is skipped (`lax.cond`).
+    step's entries into the chunk that holds them; a later chunk is read only by the rows
+    that reached it, from a gathered copy of those rows when they are few.
   * `block_top_k_extensions` finds the best extensions from the maxima of vocabulary blocks.
 """
 
@@ -138,7 +138,8 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
     x: [batch, beam, d_model], this step's inputs of every hypothesis.
     step: scalar int, the position being decoded (within the last chunk: the loop's piece);
       or [batch] int, each sentence's own position (continuous batching): each entry is
-      written into the chunk holding it, and a chunk no sentence has reached is skipped.
+      written into the chunk holding it, and a later chunk is read only by the sentences
+      that reached it.
     layer_cache: 'self_keys'/'self_values', lists of chunks [batch, heads, head_dim,
       chunk_steps * beam] that together hold steps * beam entries.
     mask: from `self_attention_mask`.
@@ -146,33 +147,33 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
     [batch, beam, d_model] and the updated 'self_keys'/'self_values'.
   """
   query, keys, values = _project_query_keys_values(attention, x)
-  beam = keys.shape[1]
+  batch, beam = keys.shape[:2]
   starts = np.cumsum([0] + [chunk.shape[3] for chunk in layer_cache['self_keys']])
   if jnp.ndim(step) == 0:
     # This step's entries of all slots are contiguous: one in-place update of the last chunk.
     new = {name: [*layer_cache[name][:-1], jax.lax.dynamic_update_slice_in_dim(
         layer_cache[name][-1], update.transpose(0, 2, 3, 1), step * beam - starts[-2], axis=3)]
         for name, update in (('self_keys', keys), ('self_values', values))}
-    reached = [True] * len(starts[:-1])
+    readers = [None] * len(starts[:-1])
   else:
     new = {name: [_write_rows(chunk, update, step * beam - start) for chunk, start in
                   zip(layer_cache[name], starts)]
            for name, update in (('self_keys', keys), ('self_values', values))}
-    reached = [True] + [jnp.max(step) * beam >= start for start in starts[1:-1]]
+    readers = [None] + [_readers(step * beam >= start) for start in starts[1:-1]]
   if attention.config.attention_score == 'additive':
     query = query.transpose(0, 2, 1, 3)
-    score = lambda chunk: attention.additive_scores(query, chunk)
+    score = attention.additive_scores
   else:
     query = attention.score_query(query).transpose(0, 2, 1, 3)
-    score = lambda chunk: jnp.einsum('bhqd,bhdk->bhqk', query, chunk,
-                                     preferred_element_type=jnp.float32)
-  chunk_logits = [_if_reached(is_reached, score, chunk) for is_reached, chunk in
-                  zip(reached, new['self_keys'])]
+    score = lambda query, chunk: jnp.einsum('bhqd,bhdk->bhqk', query, chunk,
+                                            preferred_element_type=jnp.float32)
+  chunk_logits = [_on_readers(rows, score, query, chunk) for rows, chunk in
+                  zip(readers, new['self_keys'])]
   weights = attention.weights(jnp.concatenate(chunk_logits, axis=-1), mask)
   parts = jnp.split(weights, starts[1:-1], axis=-1)
-  context = sum(_if_reached(is_reached, lambda c: jnp.einsum('bhdk,bhqk->bhdq', *c),
-                            (chunk, part))
-                for is_reached, chunk, part in zip(reached, new['self_values'], parts))
+  read = lambda chunk, part: jnp.einsum('bhdk,bhqk->bhdq', chunk, part)
+  context = sum(_on_readers(rows, read, chunk, part)
+                for rows, chunk, part in zip(readers, new['self_values'], parts))
   return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new
 
 
@@ -185,14 +186,32 @@ def _write_rows(chunk: Array, update: Array, offsets: Array) -> Array:
   return chunk.at[jnp.arange(batch)[:, None], :, :, index].set(update, mode='drop')
 
 
-def _if_reached(reached: bool | Array, compute: Any, operand: Any) -> Array:
-  """compute(operand), or zeros of its shape when `reached` is a traced False (a cache chunk
-  no sentence has reached: its entries are masked out, so its logits and its share of the
-  context are never read)."""
-  if reached is True:
-    return compute(operand)
-  shape = jax.eval_shape(compute, operand)
-  return jax.lax.cond(reached, compute, lambda _: jnp.zeros(shape.shape, shape.dtype), operand)
+# At most this fraction of the sentences read a later chunk from a gathered copy of their rows
+# (more: every row reads it, as a batch does).
+_GATHERED_READERS = 4
+
+
+def _readers(reached: Array) -> tuple[Array, Array]:
+  """Which sentences read a cache chunk, from reached [batch] bool: (how they read it: 0 none,
+  1 the rows `rows` only, 2 all rows; rows [batch // _GATHERED_READERS], the reached ones
+  first, then repeats of the first of them)."""
+  size = max(1, reached.shape[0] // _GATHERED_READERS)
+  rows = jnp.nonzero(reached, size=size, fill_value=jnp.argmax(reached))[0]
+  count = jnp.sum(reached, dtype=jnp.int32)
+  return (count > 0).astype(jnp.int32) + (count > size).astype(jnp.int32), rows
+
+
+def _on_readers(readers: tuple[Array, Array] | None, compute: Any, *operands: Array) -> Array:
+  """compute(*operands) [batch, ...] (each operand [batch, ...]) for the rows that read a
+  chunk; zeros for the others (a chunk a sentence has not reached holds no entry it sees: its
+  logits are masked out and its share of the context is zero). None: every row reads it."""
+  if readers is None:
+    return compute(*operands)
+  how, rows = readers
+  shape = jax.eval_shape(compute, *operands)
+  zeros = lambda *_: jnp.zeros(shape.shape, shape.dtype)
+  gathered = lambda *xs: zeros().at[rows].set(compute(*(x[rows] for x in xs)))
+  return jax.lax.switch(how, [zeros, gathered, compute], *operands)
 
 
 _BLOCK = 128  # Block size when no divisor of the vocabulary fits.
