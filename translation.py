@@ -127,11 +127,32 @@ _CPU_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
 
 
 # Continuous batching (`model/continuous_batching.py`): sentences decoded at once, the most
-# empty slots refilled per step, and the most sentences one search takes (its queue holds
-# their cross-attention keys and values).
+# empty slots refilled per step, and the most source positions one search's queue holds
+# (sentences x the longest source: the queue keeps every sentence's cross-attention keys
+# and values).
 CONTINUOUS_SLOTS = 128
 CONTINUOUS_REFILL = 16
-CONTINUOUS_QUEUE = 4096
+CONTINUOUS_QUEUE_TOKENS = 65536
+
+
+def continuous_queues(sources: list[np.ndarray]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+  """`sources` (token id arrays) as the queues of continuous batching searches: per search,
+  the indices into `sources` of its sentences (longest first) and its `pack_queue` arrays,
+  padded to a power of two of sentences (at least CONTINUOUS_SLOTS) within
+  CONTINUOUS_QUEUE_TOKENS, so that few shapes compile."""
+  order = np.argsort([-len(x) for x in sources], kind='stable')
+  queues, start = [], 0
+  while start < len(order):
+    width = -(-len(sources[order[start]]) // 8) * 8  # The longest left, as pack_queue pads.
+    size = max(CONTINUOUS_SLOTS, 1 << (CONTINUOUS_QUEUE_TOKENS // width).bit_length() - 1)
+    size = min(size, max(CONTINUOUS_SLOTS, 1 << (len(order) - start - 1).bit_length()))
+    indices = order[start:start + size]
+    queue = pack_queue([sources[i] for i in indices], row_multiple=64)
+    queue['origin'] = np.pad(queue['origin'], [(0, size - len(indices)), (0, 0)],
+                             constant_values=-1)
+    queues.append((indices, queue))
+    start += size
+  return queues
 
 
 class Translator:
@@ -238,14 +259,8 @@ class Translator:
     inputs = sides['inputs']
     if self._continuous and not prefixes and len(inputs) > CONTINUOUS_SLOTS:
       inputs = input_pipeline.truncate(inputs, longest, 'inputs')
-      order = np.argsort([-len(x) for x in inputs], kind='stable')  # Longest first.
       jobs = []
-      for start in range(0, len(order), CONTINUOUS_QUEUE):
-        indices = order[start:start + CONTINUOUS_QUEUE]
-        queue = pack_queue([inputs[i] for i in indices], row_multiple=64)
-        size = max(CONTINUOUS_SLOTS, 1 << (len(indices) - 1).bit_length())
-        queue['origin'] = np.pad(queue['origin'], [(0, size - len(indices)), (0, 0)],
-                                 constant_values=-1)
+      for indices, queue in continuous_queues(inputs):
         max_length = min(queue['origin'].shape[1] + self.max_extra_length, self.max_length)
         args = (queue, np.int32(len(indices)))
         jobs.append((indices, self._program(self._continuous_search, params, args, None,

@@ -83,11 +83,9 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
                        batch_best: dict[int, np.ndarray]) -> dict:
   """Compile time and fastest pass of continuous batching over `sources` (queued as the
   Translator queues them), and whether its best translations equal `batch_best` (by index)."""
-  order = np.argsort([-len(x) for x in sources], kind='stable')
-  queue = continuous_batching.pack_queue([sources[i] for i in order], row_multiple=64)
-  size = max(translation.CONTINUOUS_SLOTS, 1 << (len(order) - 1).bit_length())
-  queue['origin'] = np.pad(queue['origin'], [(0, size - len(order)), (0, 0)],
-                           constant_values=-1)
+  (order, queue), *more = translation.continuous_queues(sources)
+  if more:
+    raise ValueError(f'{len(sources)} sentences make {1 + len(more)} queues; time one.')
   search = jax.jit(functools.partial(
       continuous_batching.transformer_continuous_beam_search, model,
       slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
@@ -106,7 +104,7 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
   ended = lambda x: x[:int(np.argmax(x == EOS_ID)) + 1]  # Up to the EOS.
   same = all(np.array_equal(ended(sequences[row, 0]), ended(batch_best[int(i)]))
              for row, i in enumerate(order))
-  return {'queue': f"{size}x{queue['origin'].shape[1]}", 'compile_seconds': compile_seconds,
+  return {'queue': 'x'.join(map(str, queue['origin'].shape)), 'compile_seconds': compile_seconds,
           'pass_seconds': min(seconds), 'same_translations_as_batches': same}
 
 

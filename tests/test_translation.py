@@ -103,3 +103,23 @@ def test_continuous_batching_translates_as_the_batch_search(monkeypatch):
   assert results[True] == results[False]
   assert len({t[0] for t in results[True]}) > 3
   assert results[True][len(LEGACY_SOURCES) * 3] == ['', '']  # The empty line.
+
+
+def test_continuous_queues_take_every_sentence_once_longest_first_within_the_budget(
+    monkeypatch):
+  monkeypatch.setattr(translation, 'CONTINUOUS_SLOTS', 4)
+  monkeypatch.setattr(translation, 'CONTINUOUS_QUEUE_TOKENS', 64)
+  rng = np.random.default_rng(0)
+  sources = [rng.integers(3, 50, size=n).astype(np.int32) for n in rng.integers(1, 20, 30)]
+  queues = translation.continuous_queues(sources)
+  taken = np.concatenate([indices for indices, _ in queues])
+  assert sorted(taken.tolist()) == list(range(30)) and len(queues) > 1
+  lengths = [len(sources[i]) for i in taken]
+  assert lengths == sorted(lengths, reverse=True)
+  for indices, queue in queues:
+    size, width = queue['origin'].shape
+    assert size & (size - 1) == 0 and size >= 4 and size >= len(indices)
+    assert size * width <= 64 or size == 4  # The budget, or the fewest slots.
+    np.testing.assert_array_equal(
+        queue['sources'].reshape(-1)[queue['origin'][0, :len(sources[indices[0]])]],
+        sources[indices[0]])
