@@ -24,6 +24,8 @@ Semantics shared by all searches:
 
 Optional hooks let a model tune the loop (the Transformer's CPU variant uses them, see
 `cpu_decoding`): `reorder_cache`, `top_k_extensions`, and `chunk_length` with `grow_cache`.
+`beam_step` is one step of the beam search; `model/continuous_batching.py` runs it with a
+position per sentence.
 """
 
 from __future__ import annotations
