@@ -107,7 +107,7 @@ def transformer_continuous_beam_search(
     the packed rows encoded, each sentence's tokens gathered from its row."""
     cross = m.decoder.cross_keys_values(m.encode(sources, segmentation))
     take = lambda x: x.reshape((-1,) + x.shape[2:])[jnp.maximum(origin, 0)].transpose(
-        cpu_decoding._CARRIED)
+        cpu_decoding.CARRIED)
     return [(take(keys), take(values)) for keys, values in cross]
 
   cross = model.apply(variables, jnp.asarray(queue['sources']),
@@ -131,7 +131,7 @@ def transformer_continuous_beam_search(
       fin_seqs=jnp.zeros((slots, nbest, length), jnp.int32),
       fin_scores=jnp.full((slots, nbest), NEG_INF, jnp.float32),
       done=jnp.ones((slots,), bool),
-      sentence=jnp.full((slots,), queue_size, jnp.int32),  # queue_size: none
+      sentence=jnp.full((slots,), queue_size, jnp.int32),  # queue_size: an empty slot
       limits=jnp.ones((slots,), jnp.int32),
       next=jnp.array(0, jnp.int32),
       out_seqs=jnp.zeros((queue_size, nbest, length), jnp.int32),

@@ -35,7 +35,7 @@ Array = jax.Array
 Cache = dict[str, Any]
 
 CHUNK_LENGTH = 8  # Decoding steps of the first loop piece.
-_CARRIED = (0, 2, 3, 1)  # Cross keys/values [batch, src_len, heads, head_dim] -> carried.
+CARRIED = (0, 2, 3, 1)  # Cross keys/values [batch, src_len, heads, head_dim] -> carried.
 _UNCARRIED = (0, 3, 1, 2)  # And back.
 
 
@@ -54,8 +54,8 @@ def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int
   """
   batch = encoder_mask.shape[0]
   empty = [jnp.zeros((batch, num_heads, head_dim, length * width), dtype)]
-  layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(_CARRIED),
-                 cross_values=values.transpose(_CARRIED)) for keys, values in cross]
+  layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(CARRIED),
+                 cross_values=values.transpose(CARRIED)) for keys, values in cross]
   slots = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
                            (batch, width, length))
   return {'encoder_mask': encoder_mask, 'slots': slots, 'layers': layers}
