@@ -27,6 +27,9 @@ from model.transformer import PAD_ID, Transformer
 
 Array = jax.Array
 
+# The queue's packed rows are encoded in blocks of at most this many positions.
+ENCODER_BLOCK_POSITIONS = 4096
+
 
 def pack_queue(sources: list[np.ndarray], length_multiple: int = 8,
                row_multiple: int = 8) -> dict[str, np.ndarray]:
@@ -103,12 +106,17 @@ def transformer_continuous_beam_search(
   queue_mask = origin >= 0
 
   def cross_keys_values(m, sources, segmentation):
-    """Per layer the queue's cross-attention keys/values [queue, heads, head_dim, src_len]:
-    the packed rows encoded, each sentence's tokens gathered from its row."""
-    cross = m.decoder.cross_keys_values(m.encode(sources, segmentation))
-    take = lambda x: x.reshape((-1,) + x.shape[2:])[jnp.maximum(origin, 0)].transpose(
-        cpu_decoding.CARRIED)
-    return [(take(keys), take(values)) for keys, values in cross]
+    """Per layer the queue's cross-attention keys/values [rows * width, heads, head_dim], in
+    the packed rows' order (`fill` gathers each sentence's). The rows are encoded a block at a
+    time: the encoder's [positions, d_ff] activations of a block stay in cache."""
+    rows, width = sources.shape
+    block = max(d for d in range(1, rows + 1)
+                if rows % d == 0 and (d == 1 or d * width <= ENCODER_BLOCK_POSITIONS))
+    blocks = lambda x: x.reshape((rows // block, block) + x.shape[1:])
+    cross = jax.lax.map(lambda x: m.decoder.cross_keys_values(m.encode(*x)),
+                        (blocks(sources), blocks(segmentation)))
+    flat = lambda x: x.reshape((rows * width,) + x.shape[3:])
+    return [(flat(keys), flat(values)) for keys, values in cross]
 
   cross = model.apply(variables, jnp.asarray(queue['sources']),
                       jnp.asarray(queue['segmentation']), method=cross_keys_values)
@@ -116,7 +124,7 @@ def transformer_continuous_beam_search(
   ends = chunk_ends(length, cpu_decoding.CHUNK_LENGTH)
   chunk = lambda n: jnp.zeros((slots, config.num_heads, config.head_dim, n * beam), config.dtype)
   chunks = [chunk(end - start) for start, end in zip([0] + ends[:-1], ends)]
-  cross_slot = jnp.zeros((slots,) + cross[0][0].shape[1:], config.dtype)
+  cross_slot = jnp.zeros((slots, config.num_heads, config.head_dim, src_len), config.dtype)
   cache = {'encoder_mask': jnp.zeros((slots, src_len), bool),
            'slots': jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32)[None, :, None],
                                      (slots, beam, length)),
@@ -148,8 +156,10 @@ def transformer_continuous_beam_search(
     slot = jnp.where(valid, slot, slots)  # Out of range: written nowhere.
     sentence = jnp.where(valid, sentence, 0)
     put = lambda x, value: x.at[slot].set(value, mode='drop')
-    layers = [{**layer, 'cross_keys': put(layer['cross_keys'], keys[sentence]),
-               'cross_values': put(layer['cross_values'], values[sentence])}
+    # Each sentence's keys/values [size, heads, head_dim, src_len] from the packed rows.
+    take = lambda x: x[jnp.maximum(origin[sentence], 0)].transpose(cpu_decoding.CARRIED)
+    layers = [{**layer, 'cross_keys': put(layer['cross_keys'], take(keys)),
+               'cross_values': put(layer['cross_values'], take(values))}
               for layer, (keys, values) in zip(state['cache']['layers'], cross)]
     cache = {**state['cache'], 'layers': layers,
              'encoder_mask': put(state['cache']['encoder_mask'], queue_mask[sentence])}

@@ -555,9 +555,11 @@ def test_pack_queue_places_every_token_where_origin_says():
     ('early', 1, {}), ('exact', 2, {}),
     ('early', 1, dict(attention_score='additive', attention_probs='sparsemax'))])
 def test_continuous_batching_gives_each_sentence_the_batch_search_result(stopping, nbest,
-                                                                        attention):
+                                                                        attention, monkeypatch):
   """20 sentences through 4 slots (refilled 2 at a time): every sentence's outputs and scores
-  are those of the batch search, whichever sentences it shared the loop with."""
+  are those of the batch search, whichever sentences it shared the loop with. The packed
+  sources are encoded in several blocks."""
+  monkeypatch.setattr(continuous_batching, 'ENCODER_BLOCK_POSITIONS', 32)
   model, params = make_model(20, seed=1, scale=1.0, eos_bias=1.2, cpu_tuned=True, **attention)
   lengths = np.random.default_rng(4).integers(1, 12, size=20)
   sources = random_sources(np.random.default_rng(5), lengths, 20)
