@@ -8,8 +8,9 @@ measured in BENCHMARKS.md, "Decoding":
     all beams' entries and a mask keeps its own ancestry, read from `slots` [batch, beam,
     steps] (the beam slot holding each step's ancestor): beam search reorders this small int
     index instead of the cache.
-  * Cross-attention keys/values are carried as [batch, heads, head_dim, src_len] behind an
-    optimization barrier, so XLA does not transpose them inside every step.
+  * Cross-attention keys are carried as [batch, heads, head_dim, src_len], values as [batch,
+    heads, src_len, head_dim] (`CARRIED_KEYS`, `CARRIED_VALUES`), behind an optimization
+    barrier, so XLA does not transpose them inside every step.
   * The loop runs in pieces over a cache grown between them, so early steps attend over a
     short cache: `CHUNK_LENGTH` steps, then pieces twice as long (`decoding.chunk_ends`);
     each piece compiles its own loop body. The self-attention cache is a list of chunks, one
@@ -35,8 +36,11 @@ Array = jax.Array
 Cache = dict[str, Any]
 
 CHUNK_LENGTH = 8  # Decoding steps of the first loop piece.
-CARRIED = (0, 2, 3, 1)  # Cross keys/values [batch, src_len, heads, head_dim] -> carried.
-_UNCARRIED = (0, 3, 1, 2)  # And back.
+# Cross-attention keys, values [batch, src_len, heads, head_dim] -> their carried layouts:
+# [batch, heads, head_dim, src_len] and [batch, heads, src_len, head_dim] (XLA:CPU's fastest
+# operands of the query-key and weights-values products).
+CARRIED_KEYS = (0, 2, 3, 1)
+CARRIED_VALUES = (0, 2, 1, 3)
 
 
 def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int, length: int,
@@ -54,8 +58,8 @@ def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int
   """
   batch = encoder_mask.shape[0]
   empty = [jnp.zeros((batch, num_heads, head_dim, length * width), dtype)]
-  layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(CARRIED),
-                 cross_values=values.transpose(CARRIED)) for keys, values in cross]
+  layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(CARRIED_KEYS),
+                 cross_values=values.transpose(CARRIED_VALUES)) for keys, values in cross]
   slots = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
                            (batch, width, length))
   return {'encoder_mask': encoder_mask, 'slots': slots, 'layers': layers}
@@ -64,12 +68,6 @@ def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int
 def barrier(cache: Cache) -> Cache:
   """Keeps XLA from sinking the transposes of the cross keys/values into the loop body."""
   return jax.lax.optimization_barrier(cache)
-
-
-def cross_keys_values(layer_cache: Cache) -> tuple[Array, Array]:
-  """A layer's cross-attention keys, values as [batch, src_len, heads, head_dim]."""
-  return (layer_cache['cross_keys'].transpose(_UNCARRIED),
-          layer_cache['cross_values'].transpose(_UNCARRIED))
 
 
 def self_attention_mask(cache: Cache, step: Array) -> tuple[Array, Cache]:
@@ -175,6 +173,31 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
   context = sum(_on_readers(rows, read, chunk, part)
                 for rows, chunk, part in zip(readers, new['self_values'], parts))
   return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new
+
+
+def cross_attention_step(attention, x: Array, layer_cache: Cache, mask: Array) -> Array:
+  """One decoding step of cross-attention (a bound MultiHeadAttention) over the carried
+  keys/values, with the products `self_attention_step` uses (XLA:CPU runs them on this layout
+  without a transpose).
+
+  Args:
+    x: [batch, beam, d_model], this step's inputs of every hypothesis (the beam axis plays
+      the query axis: one source per sentence).
+    layer_cache: 'cross_keys' [batch, heads, head_dim, src_len], 'cross_values' [batch,
+      heads, src_len, head_dim].
+    mask: [batch, 1, 1, src_len] bool.
+  Returns:
+    [batch, beam, d_model].
+  """
+  query = on_rows(attention.query, x)  # [batch, beam, heads, head_dim]
+  if attention.config.attention_score == 'additive':
+    logits = attention.additive_scores(query.transpose(0, 2, 1, 3), layer_cache['cross_keys'])
+  else:
+    logits = jnp.einsum('bhqd,bhdk->bhqk', attention.score_query(query).transpose(0, 2, 1, 3),
+                        layer_cache['cross_keys'], preferred_element_type=jnp.float32)
+  weights = attention.weights(logits, mask)
+  context = jnp.einsum('bhkd,bhqk->bqhd', layer_cache['cross_values'], weights)
+  return on_rows(attention.out, context, feature_dims=2)
 
 
 def _write_rows(chunk: Array, update: Array, offsets: Array) -> Array:

@@ -517,15 +517,15 @@ class DecoderLayer(nn.Module):
       return out
 
     y = self.self_attention_sublayer(y, self_attend, False)
-    if cpu_tuned:
-      cross_keys, cross_values = cpu_decoding.cross_keys_values(layer_cache)
-    else:
-      cross_keys, cross_values = layer_cache['cross_keys'], layer_cache['cross_values']
     # The beam axis plays the query axis of cross-attention: one source, `beam` queries, so the
     # encoder keys/values are neither copied per hypothesis nor reordered.
-    y = self.cross_attention_sublayer(
-        y, lambda z: self.cross_attention.attend(z, cross_keys, cross_values, cross_mask, False),
-        False)
+    if cpu_tuned:
+      cross_attend = lambda z: cpu_decoding.cross_attention_step(
+          self.cross_attention, z, layer_cache, cross_mask)
+    else:
+      cross_attend = lambda z: self.cross_attention.attend(
+          z, layer_cache['cross_keys'], layer_cache['cross_values'], cross_mask, False)
+    y = self.cross_attention_sublayer(y, cross_attend, False)
     return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
 
   def linear_step(self, y: Array, layer_cache: Cache) -> tuple[Array, Cache]:
