@@ -122,15 +122,16 @@ def transformer_continuous_beam_search(
                       jnp.asarray(queue['segmentation']), method=cross_keys_values)
 
   ends = chunk_ends(length, cpu_decoding.CHUNK_LENGTH)
-  chunk = lambda n: jnp.zeros((slots, config.num_heads, config.head_dim, n * beam), config.dtype)
-  chunks = [chunk(end - start) for start, end in zip([0] + ends[:-1], ends)]
+  chunks = {name: [cpu_decoding.empty_chunk(name, slots, config.num_heads, config.head_dim,
+                                             (end - start) * beam, config.dtype)
+                    for start, end in zip([0] + ends[:-1], ends)]
+            for name in cpu_decoding.ENTRY_AXIS}
   cross_shape = (slots, src_len, config.num_heads, config.head_dim)
   carried = lambda layout: jnp.zeros(tuple(cross_shape[i] for i in layout), config.dtype)
   cache = {'encoder_mask': jnp.zeros((slots, src_len), bool),
            'slots': jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32)[None, :, None],
                                      (slots, beam, length)),
-           'layers': [dict(self_keys=chunks, self_values=chunks,
-                           cross_keys=carried(cpu_decoding.CARRIED_KEYS),
+           'layers': [dict(**chunks, cross_keys=carried(cpu_decoding.CARRIED_KEYS),
                            cross_values=carried(cpu_decoding.CARRIED_VALUES)) for _ in cross]}
   state = dict(
       step=jnp.zeros((slots,), jnp.int32),

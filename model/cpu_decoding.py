@@ -3,8 +3,9 @@ a loop over a growing cache, and a top-k over vocabulary blocks.
 
 Used by the Transformer's searches when `TransformerConfig.cpu_tuned` is on; each piece is
 measured in BENCHMARKS.md, "Decoding":
-  * The self-attention cache is stored as [batch, heads, head_dim, steps * beam], the layout
-    both of XLA:CPU's attention products read, updated in place. Every hypothesis attends over
+  * The self-attention cache is stored as keys [batch, heads, head_dim, steps * beam] and
+    values [batch, heads, steps * beam, head_dim], the layouts XLA:CPU's attention products
+    read fastest, updated in place. Every hypothesis attends over
     all beams' entries and a mask keeps its own ancestry, read from `slots` [batch, beam,
     steps] (the beam slot holding each step's ancestor): beam search reorders this small int
     index instead of the cache.
@@ -41,6 +42,17 @@ CHUNK_LENGTH = 8  # Decoding steps of the first loop piece.
 # operands of the query-key and weights-values products).
 CARRIED_KEYS = (0, 2, 3, 1)
 CARRIED_VALUES = (0, 2, 1, 3)
+# The self-attention cache's chunks use the same layouts: keys [batch, heads, head_dim,
+# entries], values [batch, heads, entries, head_dim]; the axis of their entries:
+ENTRY_AXIS = {'self_keys': 3, 'self_values': 2}
+
+
+def empty_chunk(name: str, batch: int, heads: int, head_dim: int, entries: int,
+                dtype: Any) -> Array:
+  """A chunk of `entries` zeros of the self-attention cache's 'self_keys' or 'self_values'."""
+  shape = [batch, heads, head_dim, head_dim]
+  shape[ENTRY_AXIS[name]] = entries
+  return jnp.zeros(shape, dtype)
 
 
 def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int, length: int,
@@ -52,13 +64,14 @@ def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int
     encoder_mask: [batch, src_len] bool, True at real source tokens.
   Returns:
     {'encoder_mask', 'slots' [batch, width, length] int32, 'layers': per layer 'self_keys',
-    'self_values' (lists of chunks [batch, heads, head_dim, chunk_steps * width], one chunk of
-    `length` steps here, one more per `grow_cache`) and 'cross_keys', 'cross_values'
-    [batch, heads, head_dim, src_len]}.
+    'self_values' (lists of chunks of chunk_steps * width entries, `empty_chunk`'s layouts;
+    one chunk of `length` steps here, one more per `grow_cache`) and 'cross_keys',
+    'cross_values' (`CARRIED_KEYS`, `CARRIED_VALUES`)}.
   """
   batch = encoder_mask.shape[0]
-  empty = [jnp.zeros((batch, num_heads, head_dim, length * width), dtype)]
-  layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys.transpose(CARRIED_KEYS),
+  empty = {name: [empty_chunk(name, batch, num_heads, head_dim, length * width, dtype)]
+           for name in ENTRY_AXIS}
+  layers = [dict(**empty, cross_keys=keys.transpose(CARRIED_KEYS),
                  cross_values=values.transpose(CARRIED_VALUES)) for keys, values in cross]
   slots = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
                            (batch, width, length))
@@ -100,13 +113,13 @@ def grow_cache(cache: Cache, length: int) -> Cache:
   if length <= steps:
     return cache
 
-  def grow(chunks: list[Array]) -> list[Array]:
-    batch, heads, head_dim, _ = chunks[0].shape
-    return [*chunks, jnp.zeros((batch, heads, head_dim, (length - steps) * width),
-                               chunks[0].dtype)]
+  def grow(name: str, chunks: list[Array]) -> list[Array]:
+    shape = list(chunks[0].shape)
+    shape[ENTRY_AXIS[name]] = (length - steps) * width
+    return [*chunks, jnp.zeros(shape, chunks[0].dtype)]
 
-  layers = [{**layer, 'self_keys': grow(layer['self_keys']),
-             'self_values': grow(layer['self_values'])} for layer in cache['layers']]
+  layers = [{**layer, **{name: grow(name, layer[name]) for name in ENTRY_AXIS}}
+            for layer in cache['layers']]
   slots = jnp.pad(slots, [(0, 0), (0, 0), (0, length - steps)])
   return {**cache, 'slots': slots, 'layers': layers}
 
@@ -138,8 +151,8 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
       or [batch] int, each sentence's own position (continuous batching): each entry is
       written into the chunk holding it, and a later chunk is read only by the sentences
       that reached it.
-    layer_cache: 'self_keys'/'self_values', lists of chunks [batch, heads, head_dim,
-      chunk_steps * beam] that together hold steps * beam entries.
+    layer_cache: 'self_keys'/'self_values', lists of chunks of chunk_steps * beam entries
+      (`empty_chunk`) that together hold steps * beam entries.
     mask: from `self_attention_mask`.
   Returns:
     [batch, beam, d_model] and the updated 'self_keys'/'self_values'.
@@ -147,16 +160,18 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
   query, keys, values = _project_query_keys_values(attention, x)
   batch, beam = keys.shape[:2]
   starts = np.cumsum([0] + [chunk.shape[3] for chunk in layer_cache['self_keys']])
+  updates = {'self_keys': keys, 'self_values': values}  # [batch, beam, heads, head_dim]
   if jnp.ndim(step) == 0:
     # This step's entries of all slots are contiguous: one in-place update of the last chunk.
+    layout = {'self_keys': (0, 2, 3, 1), 'self_values': (0, 2, 1, 3)}
     new = {name: [*layer_cache[name][:-1], jax.lax.dynamic_update_slice_in_dim(
-        layer_cache[name][-1], update.transpose(0, 2, 3, 1), step * beam - starts[-2], axis=3)]
-        for name, update in (('self_keys', keys), ('self_values', values))}
+        layer_cache[name][-1], update.transpose(layout[name]), step * beam - starts[-2],
+        axis=ENTRY_AXIS[name])] for name, update in updates.items()}
     readers = [None] * len(starts[:-1])
   else:
-    new = {name: [_write_rows(chunk, update, step * beam - start) for chunk, start in
-                  zip(layer_cache[name], starts)]
-           for name, update in (('self_keys', keys), ('self_values', values))}
+    new = {name: [_write_rows(chunk, update, step * beam - start, ENTRY_AXIS[name])
+                  for chunk, start in zip(layer_cache[name], starts)]
+           for name, update in updates.items()}
     readers = [None] + [_readers(step * beam >= start) for start in starts[1:-1]]
   if attention.config.attention_score == 'additive':
     query = query.transpose(0, 2, 1, 3)
@@ -169,10 +184,10 @@ def self_attention_step(attention, x: Array, step: Array, layer_cache: Cache,
                   zip(readers, new['self_keys'])]
   weights = attention.weights(jnp.concatenate(chunk_logits, axis=-1), mask)
   parts = jnp.split(weights, starts[1:-1], axis=-1)
-  read = lambda chunk, part: jnp.einsum('bhdk,bhqk->bhdq', chunk, part)
+  read = lambda chunk, part: jnp.einsum('bhkd,bhqk->bqhd', chunk, part)
   context = sum(_on_readers(rows, read, chunk, part)
                 for rows, chunk, part in zip(readers, new['self_values'], parts))
-  return on_rows(attention.out, context.transpose(0, 3, 1, 2), feature_dims=2), new
+  return on_rows(attention.out, context, feature_dims=2), new
 
 
 def cross_attention_step(attention, x: Array, layer_cache: Cache, mask: Array) -> Array:
@@ -200,13 +215,16 @@ def cross_attention_step(attention, x: Array, layer_cache: Cache, mask: Array) -
   return on_rows(attention.out, context, feature_dims=2)
 
 
-def _write_rows(chunk: Array, update: Array, offsets: Array) -> Array:
-  """chunk [batch, heads, head_dim, entries] with row b's `beam` entries from offsets[b]
-  set to update [batch, beam, heads, head_dim]; offsets outside the chunk write nothing."""
-  batch, _, _, entries = chunk.shape
+def _write_rows(chunk: Array, update: Array, offsets: Array, axis: int) -> Array:
+  """chunk [batch, heads, ...] (its entries on `axis`, 2 or 3) with row b's `beam` entries
+  from offsets[b] set to update [batch, beam, heads, head_dim]; offsets outside the chunk
+  write nothing."""
+  batch, entries = chunk.shape[0], chunk.shape[axis]
   index = offsets[:, None] + jnp.arange(update.shape[1])  # [batch, beam]
   index = jnp.where((offsets >= 0)[:, None] & (index < entries), index, entries)
-  return chunk.at[jnp.arange(batch)[:, None], :, :, index].set(update, mode='drop')
+  where = [jnp.arange(batch)[:, None], slice(None), slice(None), slice(None)]
+  where[axis] = index  # Indexed axes apart: [batch, beam] lead the updated slice's shape.
+  return chunk.at[tuple(where)].set(update, mode='drop')
 
 
 # At most this fraction of the sentences read a later chunk from a gathered copy of their rows
