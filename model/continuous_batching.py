@@ -126,13 +126,13 @@ def transformer_continuous_beam_search(
                                              (end - start) * beam, config.dtype)
                     for start, end in zip([0] + ends[:-1], ends)]
             for name in cpu_decoding.ENTRY_AXIS}
-  cross_shape = (slots, src_len, config.num_heads, config.head_dim)
-  carried = lambda layout: jnp.zeros(tuple(cross_shape[i] for i in layout), config.dtype)
+  cross_slot = jnp.zeros((slots, src_len, config.num_heads, config.head_dim), config.dtype)
   cache = {'encoder_mask': jnp.zeros((slots, src_len), bool),
            'slots': jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32)[None, :, None],
                                      (slots, beam, length)),
-           'layers': [dict(**chunks, cross_keys=carried(cpu_decoding.CARRIED_KEYS),
-                           cross_values=carried(cpu_decoding.CARRIED_VALUES)) for _ in cross]}
+           'layers': [dict(**chunks, cross_keys=cpu_decoding.carry_keys(cross_slot),
+                           cross_values=cross_slot.transpose(cpu_decoding.CARRIED_VALUES))
+                      for _ in cross]}
   state = dict(
       step=jnp.zeros((slots,), jnp.int32),
       tokens=jnp.full((slots, beam), PAD_ID, jnp.int32),
@@ -159,12 +159,12 @@ def transformer_continuous_beam_search(
     slot = jnp.where(valid, slot, slots)  # Out of range: written nowhere.
     sentence = jnp.where(valid, sentence, 0)
     put = lambda x, value: x.at[slot].set(value, mode='drop')
-    # Each sentence's keys/values [size, heads, head_dim, src_len] from the packed rows.
-    take = lambda x, layout: x[jnp.maximum(origin[sentence], 0)].transpose(layout)
+    # Each sentence's keys/values [size, src_len, heads, head_dim] from the packed rows.
+    take = lambda x: x[jnp.maximum(origin[sentence], 0)]
     layers = [{**layer,
-               'cross_keys': put(layer['cross_keys'], take(keys, cpu_decoding.CARRIED_KEYS)),
+               'cross_keys': put(layer['cross_keys'], cpu_decoding.carry_keys(take(keys))),
                'cross_values': put(layer['cross_values'],
-                                   take(values, cpu_decoding.CARRIED_VALUES))}
+                                   take(values).transpose(cpu_decoding.CARRIED_VALUES))}
               for layer, (keys, values) in zip(state['cache']['layers'], cross)]
     cache = {**state['cache'], 'layers': layers,
              'encoder_mask': put(state['cache']['encoder_mask'], queue_mask[sentence])}

@@ -9,9 +9,10 @@ measured in BENCHMARKS.md, "Decoding":
     all beams' entries and a mask keeps its own ancestry, read from `slots` [batch, beam,
     steps] (the beam slot holding each step's ancestor): beam search reorders this small int
     index instead of the cache.
-  * Cross-attention keys are carried as [batch, heads, head_dim, src_len], values as [batch,
-    heads, src_len, head_dim] (`CARRIED_KEYS`, `CARRIED_VALUES`), behind an optimization
-    barrier, so XLA does not transpose them inside every step.
+  * Cross-attention keys are carried as [batch, heads, head_dim, src_len] (zero-padded to a
+    multiple of 32 positions), values as [batch, heads, src_len, head_dim] (`carry_keys`,
+    `CARRIED_VALUES`), behind an optimization barrier, so XLA does not transpose them inside
+    every step.
   * The loop runs in pieces over a cache grown between them, so early steps attend over a
     short cache: `CHUNK_LENGTH` steps, then pieces twice as long (`decoding.chunk_ends`);
     each piece compiles its own loop body. The self-attention cache is a list of chunks, one
@@ -42,6 +43,9 @@ CHUNK_LENGTH = 8  # Decoding steps of the first loop piece.
 # operands of the query-key and weights-values products).
 CARRIED_KEYS = (0, 2, 3, 1)
 CARRIED_VALUES = (0, 2, 1, 3)
+# The carried keys' source axis is zero-padded to a multiple of this: XLA:CPU's batched
+# query-key product runs much slower at widths such as 40 than at 64.
+KEY_WIDTH_MULTIPLE = 32
 # The self-attention cache's chunks use the same layouts: keys [batch, heads, head_dim,
 # entries], values [batch, heads, entries, head_dim]; the axis of their entries:
 ENTRY_AXIS = {'self_keys': 3, 'self_values': 2}
@@ -55,6 +59,14 @@ def empty_chunk(name: str, batch: int, heads: int, head_dim: int, entries: int,
   return jnp.zeros(shape, dtype)
 
 
+def carry_keys(keys: Array) -> Array:
+  """Cross-attention keys [batch, src_len, heads, head_dim] as carried: [batch, heads,
+  head_dim, width], zeros after src_len (width: src_len rounded up to KEY_WIDTH_MULTIPLE)."""
+  src_len = keys.shape[1]
+  width = -(-src_len // KEY_WIDTH_MULTIPLE) * KEY_WIDTH_MULTIPLE
+  return jnp.pad(keys.transpose(CARRIED_KEYS), [(0, 0)] * 3 + [(0, width - src_len)])
+
+
 def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int, length: int,
                num_heads: int, head_dim: int, dtype: Any) -> Cache:
   """The cache for `width` hypotheses per sentence and `length` steps.
@@ -66,12 +78,12 @@ def init_cache(cross: list[tuple[Array, Array]], encoder_mask: Array, width: int
     {'encoder_mask', 'slots' [batch, width, length] int32, 'layers': per layer 'self_keys',
     'self_values' (lists of chunks of chunk_steps * width entries, `empty_chunk`'s layouts;
     one chunk of `length` steps here, one more per `grow_cache`) and 'cross_keys',
-    'cross_values' (`CARRIED_KEYS`, `CARRIED_VALUES`)}.
+    'cross_values' (`carry_keys`, `CARRIED_VALUES`)}.
   """
   batch = encoder_mask.shape[0]
   empty = {name: [empty_chunk(name, batch, num_heads, head_dim, length * width, dtype)]
            for name in ENTRY_AXIS}
-  layers = [dict(**empty, cross_keys=keys.transpose(CARRIED_KEYS),
+  layers = [dict(**empty, cross_keys=carry_keys(keys),
                  cross_values=values.transpose(CARRIED_VALUES)) for keys, values in cross]
   slots = jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32)[None, :, None],
                            (batch, width, length))
@@ -198,8 +210,8 @@ def cross_attention_step(attention, x: Array, layer_cache: Cache, mask: Array) -
   Args:
     x: [batch, beam, d_model], this step's inputs of every hypothesis (the beam axis plays
       the query axis: one source per sentence).
-    layer_cache: 'cross_keys' [batch, heads, head_dim, src_len], 'cross_values' [batch,
-      heads, src_len, head_dim].
+    layer_cache: 'cross_keys' [batch, heads, head_dim, width >= src_len] (`carry_keys`),
+      'cross_values' [batch, heads, src_len, head_dim].
     mask: [batch, 1, 1, src_len] bool.
   Returns:
     [batch, beam, d_model].
@@ -210,7 +222,8 @@ def cross_attention_step(attention, x: Array, layer_cache: Cache, mask: Array) -
   else:
     logits = jnp.einsum('bhqd,bhdk->bhqk', attention.score_query(query).transpose(0, 2, 1, 3),
                         layer_cache['cross_keys'], preferred_element_type=jnp.float32)
-  weights = attention.weights(logits, mask)
+  # Logits of the keys' zero padding (`carry_keys`) are dropped.
+  weights = attention.weights(logits[..., :mask.shape[-1]], mask)
   context = jnp.einsum('bhkd,bhqk->bqhd', layer_cache['cross_values'], weights)
   return on_rows(attention.out, context, feature_dims=2)
 
