@@ -29,6 +29,10 @@ Array = jax.Array
 
 # The queue's packed rows are encoded in blocks of at most this many positions.
 ENCODER_BLOCK_POSITIONS = 4096
+# Steps of the self-attention cache's first chunk, which every running sentence reads (the
+# batch search grows its cache from cpu_decoding.CHUNK_LENGTH steps; here all chunks exist
+# from the start, and one chunk of 16 steps reads faster than two of 8).
+FIRST_CHUNK_LENGTH = 16
 
 
 def pack_queue(sources: list[np.ndarray], length_multiple: int = 8,
@@ -121,7 +125,7 @@ def transformer_continuous_beam_search(
   cross = model.apply(variables, jnp.asarray(queue['sources']),
                       jnp.asarray(queue['segmentation']), method=cross_keys_values)
 
-  ends = chunk_ends(length, cpu_decoding.CHUNK_LENGTH)
+  ends = chunk_ends(length, FIRST_CHUNK_LENGTH)
   chunks = {name: [cpu_decoding.empty_chunk(name, slots, config.num_heads, config.head_dim,
                                              (end - start) * beam, config.dtype)
                     for start, end in zip([0] + ends[:-1], ends)]

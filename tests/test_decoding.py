@@ -558,8 +558,9 @@ def test_continuous_batching_gives_each_sentence_the_batch_search_result(stoppin
                                                                         attention, monkeypatch):
   """20 sentences through 4 slots (refilled 2 at a time): every sentence's outputs and scores
   are those of the batch search, whichever sentences it shared the loop with. The packed
-  sources are encoded in several blocks."""
+  sources are encoded in several blocks; the cache has several chunks (8, 16, 30 steps)."""
   monkeypatch.setattr(continuous_batching, 'ENCODER_BLOCK_POSITIONS', 32)
+  monkeypatch.setattr(continuous_batching, 'FIRST_CHUNK_LENGTH', 8)
   model, params = make_model(20, seed=1, scale=1.0, eos_bias=1.2, cpu_tuned=True, **attention)
   lengths = np.random.default_rng(4).integers(1, 12, size=20)
   sources = random_sources(np.random.default_rng(5), lengths, 20)
