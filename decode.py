@@ -223,6 +223,22 @@ def main(argv):
     sys.exit(f'error: {error}')
 
 
+def exit_without_teardown() -> None:
+  """Ends a finished single-process command at once: its output is written and flushed, and
+  the interpreter's teardown (freeing JAX's buffers and CPU client) would add about 0.3 s to
+  every call. Several processes shut jax.distributed down as usual."""
+  if jax.process_count() == 1:
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main_then_exit(argv):
+  main(argv)
+  exit_without_teardown()
+
+
 if __name__ == '__main__':
   define_flags()
-  app.run(main)
+  app.run(main_then_exit)
