@@ -5,10 +5,10 @@ Used by the Transformer's searches when `TransformerConfig.cpu_tuned` is on; eac
 measured in BENCHMARKS.md, "Decoding":
   * The self-attention cache is stored as keys [batch, heads, head_dim, steps * beam] and
     values [batch, heads, steps * beam, head_dim], the layouts XLA:CPU's attention products
-    read fastest, updated in place. Every hypothesis attends over
-    all beams' entries and a mask keeps its own ancestry, read from `slots` [batch, beam,
-    steps] (the beam slot holding each step's ancestor): beam search reorders this small int
-    index instead of the cache.
+    read fastest, updated in place. Every hypothesis attends over all beams' entries and a
+    mask keeps its own ancestry, read from `slots` [batch, beam, steps] (the beam slot
+    holding each step's ancestor): beam search reorders this small int index instead of the
+    cache.
   * Cross-attention keys are carried as [batch, heads, head_dim, src_len] (zero-padded to a
     multiple of 32 positions), values as [batch, heads, src_len, head_dim] (`carry_keys`,
     `CARRIED_VALUES`), behind an optimization barrier, so XLA does not transpose them inside
