@@ -128,8 +128,8 @@ _CPU_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
 
 # Continuous batching (`model/continuous_batching.py`): sentences decoded at once, the most
 # empty slots refilled per step, and the most source positions one search's queue holds
-# (sentences x the longest source: the queue keeps every sentence's cross-attention keys
-# and values).
+# (sentences x the longest source: a bound on its packed rows, whose cross-attention keys
+# and values the search keeps).
 CONTINUOUS_SLOTS = 128
 CONTINUOUS_REFILL = 16
 CONTINUOUS_QUEUE_TOKENS = 65536
