@@ -527,13 +527,13 @@ def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog
              for name in os.listdir(tmp_path / 'tensorboard'))
   assert 'First step (trace, compile, run)' in caplog.text and 'ETA' in caplog.text
   # Two BLEU evaluations, one search program per source-length bucket: the second compiles
-  # nothing (a search rebuilt per call would trace every bucket again).
+  # nothing (a search rebuilt per call would build every bucket's program again).
   translator = result['translator']
   buckets = {arrays['inputs'].shape for _, arrays in train.input_pipeline.length_batches(
       {'inputs': translator.tokenizer.encode(
           train.input_pipeline.read_split(config, 'val')[0][:8])},
       config.decode.batch_tokens, config.model.max_len)}
-  assert translator.traces == len(buckets)
+  assert translator.compiles == len(buckets)
 
 
 @needs_multi30k

@@ -1,6 +1,7 @@
 """translation.py: runs written by earlier versions, the Translator's compiled search, scores."""
 
 import json
+import os
 import pathlib
 
 import jax
@@ -65,9 +66,9 @@ def test_translator_compiles_once_per_length_bucket_and_checks_nbest():
   params = translator.place(params)
   sources = ['A dog.', 'Two men are walking along a long sandy beach at sunset today.', '']
   first = translator(params, sources)
-  traces = translator.traces
-  assert traces == 2 and first[2] == ''  # Two length buckets; the empty line stays empty.
-  assert translator(params, sources) == first and translator.traces == traces
+  compiles = translator.compiles
+  assert compiles == 2 and first[2] == ''  # Two length buckets; the empty line stays empty.
+  assert translator(params, sources) == first and translator.compiles == compiles
   # A call interrupted at its first batch drops the compiles it queued (not waited for at exit)
   # and leaves no cancelled program behind: the next call with new shapes compiles them.
   longer = sources + ['One ' + 'very ' * 20 + 'long sentence.', 'Yet ' + 'more ' * 40 + '.']
@@ -99,7 +100,7 @@ def test_continuous_batching_translates_as_the_batch_search(monkeypatch):
     assert translator._continuous  # One CPU device, no ensemble, prefixes or details.
     translator._continuous = continuous
     results[continuous] = translator(params, sources)
-    assert translator.traces == (1 if continuous else len(translator._programs))
+    assert translator.compiles == (1 if continuous else len(translator._programs))
   assert results[True] == results[False]
   assert len({t[0] for t in results[True]}) > 3
   assert results[True][len(LEGACY_SOURCES) * 3] == ['', '']  # The empty line.
@@ -123,3 +124,58 @@ def test_continuous_queues_take_every_sentence_once_longest_first_within_the_bud
     np.testing.assert_array_equal(
         queue['sources'].reshape(-1)[queue['origin'][0, :len(sources[indices[0]])]],
         sources[indices[0]])
+
+
+def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch):
+  """A search exported to the compilation cache is found again only by a Translator that
+  would trace the same program: another beam, argument signature or code is another file."""
+  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  make = lambda **settings: translation.Translator(model, tokenizer, config.decode, mesh,
+                                                   **settings)
+  first, again, beam_2 = make(), make(), make(beam_size=2)
+  path = first._exported_path(first._search, 'signature')
+  assert path.startswith(jax.config.jax_compilation_cache_dir)  # The session's (conftest).
+  assert again._exported_path(again._search, 'signature') == path
+  assert beam_2._exported_path(beam_2._search, 'signature') != path
+  assert first._exported_path(first._search, 'another signature') != path
+  assert first._exported_path(first._continuous_search, 'signature') != path
+  monkeypatch.setattr(model_lib.continuous_batching, 'FIRST_CHUNK_LENGTH', 4)
+  assert first._exported_path(first._search, 'signature') != path
+  monkeypatch.undo()
+  assert first._exported_path(first._search, 'signature') == path
+  monkeypatch.setattr(jax, 'process_count', lambda: 2)
+  assert first._exported_path(first._search, 'signature') is None
+
+
+def test_a_search_loaded_from_its_export_translates_as_a_traced_one(monkeypatch, caplog):
+  """The first Translator exports its searches, a second loads them (no tracing), a damaged
+  export is exported again: every one translates as the search traced without a cache."""
+  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  params, _ = translation.load_params(str(LEGACY_RUN), mesh)
+  sources = LEGACY_SOURCES + ['A dog.', 'Two men walk along a long sandy beach at sunset '
+                                        'with their three dogs and a small red ball.']
+  make = lambda: translation.Translator(model, tokenizer, config.decode, mesh, nbest=2,
+                                        alpha=0.3, batch_tokens=16)  # Settings no other test uses.
+  with monkeypatch.context() as patch:
+    patch.setattr(translation.Translator, '_exported_path', lambda *args: None)
+    traced = make()(params, sources)
+  caplog.set_level('INFO')
+  exporting = make()
+  assert exporting(params, sources) == traced
+  paths = [exporting._exported_path(exporting._search, repr(key[1:]))
+           for key in exporting._programs]
+  assert len(paths) == exporting.compiles >= 2 and all(map(os.path.isfile, paths))
+  assert caplog.text.count('Exported the search') == len(paths)
+  caplog.clear()
+  assert make()(params, sources) == traced
+  assert caplog.text.count('Loaded the search exported') == len(paths)
+  assert 'Exported the search' not in caplog.text
+  with open(paths[0], 'wb') as f:
+    f.write(b'not an exported search')
+  caplog.clear()
+  assert make()(params, sources) == traced
+  assert 'Exporting the search again' in caplog.text
+  with open(paths[0], 'rb') as f:
+    assert f.read() != b'not an exported search'
