@@ -41,6 +41,7 @@ from model import (
   sinusoidal_table,
   transformer_beam_search,
 )
+from model.continuous_batching import transformer_continuous_beam_search, unpacked_queue
 
 FLAGS = flags.FLAGS
 FORMATS = ('jax', 'ctranslate2')
@@ -58,10 +59,13 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   One serialized program per source-length bucket (`translator_{length}.jax`): encoder and
   beam search, the parameters as its first argument (`params.npz`, '/'-joined names), inputs
   [batch, length] int32 with a symbolic batch, outputs (sequences [batch, 1, max_length] int32,
-  scores [batch, 1] float32). Next to them: tokenizer.model, translator.json (buckets and
-  search settings) and serving.py, which translates with only jax, numpy and sentencepiece.
-  `platform` ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the
-  CPU-tuned decoding.
+  scores [batch, 1] float32). On the CPU decoding path also one continuous batching search
+  per bucket (`continuous_{length}.jax`: the parameters, sources [queue, length] int32 one
+  sentence per row, how many to decode; outputs [queue, 1, max_length] and [queue, 1]).
+  Next to them: tokenizer.model, translator.json (buckets, queue sizes and search settings)
+  and serving.py, which translates with only jax, numpy and sentencepiece. `platform`
+  ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the CPU-tuned
+  decoding.
   """
   config, _, model = translation.load_run(workdir)
   model = Transformer(dataclasses.replace(model.config, cpu_tuned=platform == 'cpu'))
@@ -82,13 +86,31 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
         abstract_params, jax.ShapeDtypeStruct((batch, length), np.int32))
     with open(os.path.join(output_dir, f'translator_{length}.jax'), 'wb') as f:
       f.write(exported.serialize())
+  # On the CPU, more sentences than slots decode with continuous batching: per bucket a queue
+  # of a fixed number of sentences, one per row, of which the first `count` are decoded.
+  continuous = {}
+  if model.config.use_cpu_decoding:
+    continuous = dict(slots=translation.CONTINUOUS_SLOTS, sizes={})
+    for length in buckets:
+      size = translation.continuous_queue_size(length)
+      search = functools.partial(
+          lambda params, sources, count, **kwargs: transformer_continuous_beam_search(
+              model, params, unpacked_queue(sources), count, **kwargs),
+          slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
+          max_length=min(length + settings['max_extra_length'], max_length), **settings)
+      exported = jax.export.export(jax.jit(search), platforms=(platform,))(
+          abstract_params, jax.ShapeDtypeStruct((size, length), np.int32),
+          jax.ShapeDtypeStruct((), np.int32))
+      with open(os.path.join(output_dir, f'continuous_{length}.jax'), 'wb') as f:
+        f.write(exported.serialize())
+      continuous['sizes'][str(length)] = size
   flat = traverse_util.flatten_dict(params, sep='/')
   np.savez(os.path.join(output_dir, 'params.npz'), **{k: np.asarray(v) for k, v in flat.items()})
   shutil.copy(os.path.join(workdir, 'tokenizer.model'), output_dir)
   shutil.copy(SERVING, output_dir)
   manifest = dict(buckets=buckets, platform=platform, max_length=max_length,
                   batch_tokens=decode_config.batch_tokens, eos_id=EOS_ID, pad_id=PAD_ID,
-                  **settings, model=config.model.to_dict())
+                  continuous=continuous, **settings, model=config.model.to_dict())
   with open(os.path.join(output_dir, 'translator.json'), 'w', encoding='utf-8') as f:
     json.dump(manifest, f, indent=2)
 

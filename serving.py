@@ -47,6 +47,8 @@ class ExportedTranslator:
   """Beam-search translation with the exported programs, batched by source-length bucket.
 
   Each (bucket, batch rows) shape compiles once, on first use; batch rows are powers of two.
+  A call with more sentences than the continuous batching slots of a CPU export decodes them
+  with continuous batching (one program per bucket), the same translations.
   The command line keeps compiled programs in the folder's compilation_cache/.
   """
 
@@ -56,17 +58,44 @@ class ExportedTranslator:
     self.buckets = list(self.manifest['buckets'])
     self.eos_id, self.pad_id = self.manifest['eos_id'], self.manifest['pad_id']
     self.batch_tokens = self.manifest['batch_tokens']
+    # Continuous batching programs (folders exported for the CPU): their slots and queue sizes.
+    self.continuous = self.manifest.get('continuous') or {}
     self._sp = spm.SentencePieceProcessor(model_file=os.path.join(folder, 'tokenizer.model'))
     with np.load(os.path.join(folder, 'params.npz')) as arrays:
       self._params = jax.device_put(_unflatten({k: arrays[k] for k in arrays.files}))
     self._folder = folder
     self._programs: dict[int, jax.export.Exported] = {}
 
-  def _program(self, length: int) -> jax.export.Exported:
-    if length not in self._programs:
-      with open(os.path.join(self._folder, f'translator_{length}.jax'), 'rb') as f:
-        self._programs[length] = jax.export.deserialize(bytearray(f.read()))
-    return self._programs[length]
+  def _program(self, name: str) -> jax.export.Exported:
+    if name not in self._programs:
+      with open(os.path.join(self._folder, f'{name}.jax'), 'rb') as f:
+        self._programs[name] = jax.export.deserialize(bytearray(f.read()))
+    return self._programs[name]
+
+  def _text(self, sequence: np.ndarray) -> str:
+    """A best hypothesis' text: its tokens up to EOS, detokenized."""
+    tokens = sequence.tolist()
+    end = tokens.index(self.eos_id) if self.eos_id in tokens else len(tokens)
+    return self._sp.decode([t for t in tokens[:end] if t != self.pad_id])
+
+  def _continuous(self, ids: list[list[int]], members: list[int], outputs: list[str]) -> None:
+    """outputs[members] by continuous batching: longest first, per queue the smallest bucket
+    that holds its longest sentence and as many sentences as its program takes."""
+    members = sorted(members, key=lambda i: -len(ids[i]))
+    start = 0
+    while start < len(members):
+      length = next(b for b in self.buckets if b >= len(ids[members[start]]))
+      size = self.continuous['sizes'][str(length)]
+      queue = members[start:start + size]
+      sources = np.full((size, length), self.pad_id, np.int32)
+      for row, i in enumerate(queue):
+        sources[row, :len(ids[i])] = ids[i]
+      sequences, _ = self._program(f'continuous_{length}').call(
+          self._params, jnp.asarray(sources), jnp.int32(len(queue)))
+      sequences = np.asarray(sequences)
+      for row, i in enumerate(queue):
+        outputs[i] = self._text(sequences[row, 0])
+      start += size
 
   def translate(self, sources: Sequence[str]) -> list[str]:
     """Translations of `sources`, in their order."""
@@ -83,19 +112,24 @@ class ExportedTranslator:
         ids[i] = tokens[:longest - 1] + [self.eos_id]
       bucket = next(b for b in self.buckets if b >= len(ids[i]))
       by_bucket.setdefault(bucket, []).append(i)
+    nonempty = sum(by_bucket.values(), [])
+    if self.continuous and len(nonempty) > self.continuous['slots']:
+      self._continuous(ids, nonempty, outputs)
+      return outputs
     for length, members in sorted(by_bucket.items()):
       rows = max(1, 1 << (max(1, self.batch_tokens // length).bit_length() - 1))
+      members.sort(key=lambda i: len(ids[i]))  # Sentences that end at about the same step.
       for start in range(0, len(members), rows):
         batch = members[start:start + rows]
         padded_rows = 1 << (len(batch) - 1).bit_length()
         inputs = np.full((padded_rows, length), self.pad_id, np.int32)
         for row, i in enumerate(batch):
           inputs[row, :len(ids[i])] = ids[i]
-        sequences, _ = self._program(length).call(self._params, jnp.asarray(inputs))
+        sequences, _ = self._program(f'translator_{length}').call(self._params,
+                                                                 jnp.asarray(inputs))
+        sequences = np.asarray(sequences)  # One copy to the host, not one per row.
         for row, i in enumerate(batch):
-          tokens = np.asarray(sequences[row, 0]).tolist()
-          end = tokens.index(self.eos_id) if self.eos_id in tokens else len(tokens)
-          outputs[i] = self._sp.decode([t for t in tokens[:end] if t != self.pad_id])
+          outputs[i] = self._text(sequences[row, 0])
     return outputs
 
 

@@ -164,6 +164,12 @@ CONTINUOUS_REFILL = 16
 CONTINUOUS_QUEUE_TOKENS = 65536
 
 
+def continuous_queue_size(width: int) -> int:
+  """The most sentences a queue of sources up to `width` tokens holds: a power of two, at least
+  CONTINUOUS_SLOTS, within CONTINUOUS_QUEUE_TOKENS."""
+  return max(CONTINUOUS_SLOTS, 1 << (CONTINUOUS_QUEUE_TOKENS // width).bit_length() - 1)
+
+
 def continuous_queues(sources: list[np.ndarray]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
   """`sources` (token id arrays) as the queues of continuous batching searches: per search,
   the indices into `sources` of its sentences (longest first) and its `pack_queue` arrays,
@@ -173,8 +179,8 @@ def continuous_queues(sources: list[np.ndarray]) -> list[tuple[np.ndarray, dict[
   queues, start = [], 0
   while start < len(order):
     width = -(-len(sources[order[start]]) // 8) * 8  # The longest left, as pack_queue pads.
-    size = max(CONTINUOUS_SLOTS, 1 << (CONTINUOUS_QUEUE_TOKENS // width).bit_length() - 1)
-    size = min(size, max(CONTINUOUS_SLOTS, 1 << (len(order) - start - 1).bit_length()))
+    size = min(continuous_queue_size(width),
+               max(CONTINUOUS_SLOTS, 1 << (len(order) - start - 1).bit_length()))
     indices = order[start:start + size]
     queue = pack_queue([sources[i] for i in indices], row_multiple=64)
     queue['origin'] = np.pad(queue['origin'], [(0, size - len(indices)), (0, 0)],

@@ -70,6 +70,21 @@ def pack_queue(sources: list[np.ndarray], length_multiple: int = 8,
   return {'sources': packed, 'segmentation': segmentation, 'origin': origin}
 
 
+def unpacked_queue(sources: Array) -> dict[str, Array]:
+  """`pack_queue`'s arrays for sentences given one per row, without packing (traceable: the
+  exported translator builds its queue inside its program).
+
+  sources: [queue, width] int32, each row a sentence (EOS included) then PAD_ID, or all
+  PAD_ID for an empty one.
+  """
+  queue, width = sources.shape
+  present = sources != PAD_ID
+  segmentation = jnp.where(present, jnp.arange(1, queue + 1, dtype=jnp.int32)[:, None], 0)
+  origin = jnp.where(present, jnp.arange(queue * width, dtype=jnp.int32).reshape(queue, width),
+                     -1)
+  return {'sources': sources, 'segmentation': segmentation, 'origin': origin}
+
+
 def transformer_continuous_beam_search(
     model: Transformer, params: Any, queue: dict[str, Array], count: Array | int, *,
     slots: int, refill: int, beam_size: int = 4, alpha: float = 0.6,
@@ -117,8 +132,14 @@ def transformer_continuous_beam_search(
     block = max(d for d in range(1, rows + 1)
                 if rows % d == 0 and (d == 1 or d * width <= ENCODER_BLOCK_POSITIONS))
     blocks = lambda x: x.reshape((rows // block, block) + x.shape[1:])
-    cross = jax.lax.map(lambda x: m.decoder.cross_keys_values(m.encode(*x)),
-                        (blocks(sources), blocks(segmentation)))
+    encode = lambda x: m.decoder.cross_keys_values(m.encode(*x))
+    shapes = jax.eval_shape(encode, (sources[:block], segmentation[:block]))
+    # A block of padding only (the queue's end) is not encoded: no sentence reads it.
+    cross = jax.lax.map(
+        lambda x: jax.lax.cond(jnp.any(x[1] != 0), encode,
+                               lambda _: jax.tree_util.tree_map(
+                                   lambda s: jnp.zeros(s.shape, s.dtype), shapes), x),
+        (blocks(sources), blocks(segmentation)))
     flat = lambda x: x.reshape((rows * width,) + x.shape[3:])
     return [(flat(keys), flat(values)) for keys, values in cross]
 

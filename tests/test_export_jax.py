@@ -1,6 +1,7 @@
 """export.py --format jax and serving.py: the exported translator translates as decode.py does,
 with only jax, numpy and sentencepiece importable."""
 
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,34 @@ def test_exported_translator_equals_decode(tiny_run, exported, tmp_path):
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   assert result.stdout.decode().split('\n')[:-1] == expected
   assert 'cut to 128' in result.stderr.decode()
+
+
+def test_exported_continuous_batching_equals_decode(tiny_run, exported, monkeypatch):
+  """More sentences than the slots: a CPU export decodes them with continuous batching (one
+  program per bucket, a queue of fixed size), with decode.py's translations."""
+  with open(os.path.join(exported, 'translator.json'), encoding='utf-8') as f:
+    continuous = json.load(f)['continuous']
+  assert continuous['slots'] == translation.CONTINUOUS_SLOTS
+  lines = input_pipeline.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
+  lines = lines[:translation.CONTINUOUS_SLOTS + 20] + ['']
+  config, tokenizer, model = translation.load_run(tiny_run)
+  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = translation.load_params(tiny_run, translator.mesh)
+  expected = translator(params, lines)  # The batch search over the test's 8 devices.
+
+  sys.path.insert(0, exported)
+  try:
+    import serving
+    exported_translator = serving.ExportedTranslator(exported)
+    queues = []
+    original = exported_translator._continuous
+    monkeypatch.setattr(exported_translator, '_continuous',
+                        lambda ids, members, outputs: (queues.append(len(members)),
+                                                       original(ids, members, outputs)))
+    assert exported_translator.translate(lines) == expected
+    assert queues == [len(lines) - 1]  # The empty line is not decoded.
+  finally:
+    sys.path.remove(exported)
 
 
 def test_export_errors_are_one_line(tmp_path):
