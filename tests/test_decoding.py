@@ -551,6 +551,22 @@ def test_pack_queue_places_every_token_where_origin_says():
   assert np.count_nonzero(segmentation) == sum(len(x) for x in sources)
 
 
+def test_unpacked_queue_places_every_token_where_origin_says():
+  """The exported translator's queue: a sentence per row, an empty row for no sentence."""
+  rng = np.random.default_rng(1)
+  lengths = [9, 7, 4, 1, 0]
+  rows = np.zeros((5, 16), np.int32)
+  for i, n in enumerate(lengths):
+    rows[i, :n] = rng.integers(3, 50, size=n)
+  queue = jax.tree_util.tree_map(np.asarray, continuous_batching.unpacked_queue(rows))
+  for i, n in enumerate(lengths):
+    where = queue['origin'][i, :n]
+    np.testing.assert_array_equal(queue['sources'].reshape(-1)[where], rows[i, :n])
+    assert np.all(queue['segmentation'].reshape(-1)[where] == i + 1)
+    assert np.all(queue['origin'][i, n:] == -1)
+  assert np.count_nonzero(queue['segmentation']) == sum(lengths)
+
+
 @pytest.mark.parametrize('stopping,nbest,attention', [
     ('early', 1, {}), ('exact', 2, {}),
     ('early', 1, dict(attention_score='additive', attention_probs='sparsemax'))])
