@@ -5,7 +5,9 @@ Sources (`config.data.dataset_name`), all prepared and split by TFDS:
   * 'multi30k': the project's own builder below (Multi30k task 1, en/de/fr);
   * 'folder:/path': aligned plain-text files `{split}.{lang}` (e.g. train.en, train.de).
 
-tf.data reads the text; numpy does the rest. Training data flows in `config.data.num_streams`
+tf.data reads the training text; evaluation and decoding splits are parsed from TFDS's
+TFRecord files here, without TensorFlow (importing it takes longer than translating a test
+set); numpy does the rest. Training data flows in `config.data.num_streams`
 streams: stream s is its even split of the train split (`tfds.even_splits`), whose records a
 host reads from TFDS's files in chunks of 8,192 (one parse and one sentencepiece call per side
 each) and keeps flat (one token array per side plus offsets, uint16 when the vocabulary fits).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import gzip
 import hashlib
 import io
@@ -31,6 +34,7 @@ import os
 import select
 import shutil
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,6 +44,7 @@ import numpy as np
 import sentencepiece as spm
 import tensorflow_datasets as tfds
 from absl import logging
+from etils import epath
 
 from model import EOS_ID, PAD_ID, UNK_ID
 
@@ -371,36 +376,30 @@ def _text_chunks(builder: tfds.core.DatasetBuilder, config,
            [t.decode('utf-8').strip() for t in batch[tgt_lang]])
 
 
-def _record_spec(builder: tfds.core.DatasetBuilder, config) -> dict[str, Any] | None:
-  """tf.io parsing spec of the two languages if TFDS's files can be read directly, else None.
-
-  They can when they are TFRecord files of tf.train.Example whose language features are
-  scalar strings (as TFDS writes Text features).
-  """
-  import tensorflow as tf  # Imported where data is read: translating text needs none of it.
+def _reads_files_directly(builder: tfds.core.DatasetBuilder, config) -> bool:
+  """Whether TFDS's files of the two languages can be read without TFDS's reader: TFRecord
+  files of tf.train.Example whose language features are plain Text (a scalar string each).
+  Decided without importing TensorFlow."""
   if builder.info.file_format != tfds.core.FileFormat.TFRECORD:
-    return None
-  if not tf.io.gfile.glob(os.path.join(builder.data_dir, '*.tfrecord*')):
-    return None  # No files of its own (tfds.testing.mock_data): TFDS's reader supplies it.
-  serialized = builder.info.features.get_serialized_info()
-  spec = {}
-  for lang in (config.data.source_lang, config.data.target_lang):
-    info = serialized.get(lang) if isinstance(serialized, dict) else None
-    if info is None or tuple(info.shape) != () or info.tf_dtype != tf.string:
-      return None
-    spec[lang] = tf.io.FixedLenFeature([], tf.string)
-  return spec
+    return False
+  if not any(epath.Path(builder.data_dir).glob('*.tfrecord*')):
+    return False  # No files of its own (tfds.testing.mock_data): TFDS's reader supplies it.
+  features = builder.info.features
+  return all(lang in features.keys() and isinstance(features[lang], tfds.features.Text) and
+             getattr(features[lang], 'encoder', None) is None
+             for lang in (config.data.source_lang, config.data.target_lang))
 
 
-def _instruction_chunks(config, spec: dict[str, Any],
-                        instructions) -> Iterator[tuple[list[str], list[str]]]:
+def _instruction_chunks(config, instructions) -> Iterator[tuple[list[str], list[str]]]:
   """Texts of TFDS file instructions (file, skip, take), in order, READ_CHUNK_PAIRS at a time.
 
   Reads the records straight from TFDS's files and parses each chunk's examples in one call
   (TFDS's own reader parses them one at a time, which costs most of its time); adjacent ranges
   of a file are read as one, so each file is scanned once.
   """
-  import tensorflow as tf
+  import tensorflow as tf  # Imported where training data is read: decoding needs none of it.
+  spec = {lang: tf.io.FixedLenFeature([], tf.string)
+          for lang in (config.data.source_lang, config.data.target_lang)}
   ranges = []  # [filename, skip, take]
   for fi in instructions:
     if ranges and ranges[-1][0] == fi.filename and sum(ranges[-1][1:]) == fi.skip:
@@ -423,10 +422,108 @@ def _instruction_chunks(config, spec: dict[str, Any],
 def _split_chunks(builder: tfds.core.DatasetBuilder, config,
                   split) -> Iterator[tuple[list[str], list[str]]]:
   """Like `_text_chunks` (same pairs and chunking), through `_instruction_chunks` if it can."""
-  spec = _record_spec(builder, config)
-  if spec is None:
+  if not _reads_files_directly(builder, config):
     return _text_chunks(builder, config, split)
-  return _instruction_chunks(config, spec, builder.info.splits[split].file_instructions)
+  return _instruction_chunks(config, builder.info.splits[split].file_instructions)
+
+
+# CRC-32C (Castagnoli) by byte, for the checksums of TFRecord files.
+_CRC32C = [functools.reduce(lambda c, _: (c >> 1) ^ (0x82F63B78 if c & 1 else 0), range(8), n)
+           for n in range(256)]
+
+
+def _masked_crc32c(data: bytes) -> int:
+  """A TFRecord checksum: CRC-32C of data, rotated right by 15 bits plus a constant."""
+  crc = 0xFFFFFFFF
+  for byte in data:
+    crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+  crc ^= 0xFFFFFFFF
+  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
+
+
+def _tfrecords(path: str, skip: int, take: int) -> Iterator[bytes]:
+  """Records skip .. skip + take - 1 of a TFRecord file, their checksums verified. A record is
+  its length (uint64, little-endian), the length's checksum, its bytes and their checksum."""
+  with epath.Path(path).open('rb') as f:
+    for index in range(skip + take):
+      header = f.read(12)
+      length, crc = struct.unpack('<QI', header) if len(header) == 12 else (0, None)
+      if crc != _masked_crc32c(header[:8]):
+        raise DataError(f'{path}: record {index} is damaged or missing (the file holds fewer '
+                        f'than the {skip + take} records its dataset lists).')
+      if index < skip:
+        f.seek(length + 4, os.SEEK_CUR)
+        continue
+      data, footer = f.read(length), f.read(4)
+      if len(footer) < 4 or struct.unpack('<I', footer)[0] != _masked_crc32c(data):
+        raise DataError(f'{path}: record {index} is damaged (its checksum differs).')
+      yield data
+
+
+def _protobuf_fields(data: bytes, start: int, end: int) -> Iterator[tuple[int, int, int]]:
+  """(field number, start, end) of each length-delimited field of the protobuf message in
+  data[start:end]; fields of other wire types are skipped."""
+  def varint(pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+      byte = data[pos]
+      value, pos, shift = value | (byte & 0x7F) << shift, pos + 1, shift + 7
+      if byte < 0x80:
+        return value, pos
+  pos = start
+  while pos < end:
+    key, pos = varint(pos)
+    wire = key & 7
+    if wire == 2:
+      size, pos = varint(pos)
+      yield key >> 3, pos, pos + size
+      pos += size
+    elif wire == 0:
+      pos = varint(pos)[1]
+    elif wire in (1, 5):
+      pos += 8 if wire == 1 else 4
+    else:
+      raise DataError(f'Not a tf.train.Example record (protobuf wire type {wire}).')
+
+
+def _example_texts(record: bytes, names: tuple[str, ...]) -> list[str]:
+  """The string features `names` of a serialized tf.train.Example, as TFDS writes Text
+  (Example.features = 1; Features.feature = 1, a map entry of key = 1 and value = 2;
+  Feature.bytes_list = 1; BytesList.value = 1)."""
+  texts = {}
+  for _, start, end in _protobuf_fields(record, 0, len(record)):
+    for _, entry_start, entry_end in _protobuf_fields(record, start, end):
+      key, value = None, None
+      for field, s, e in _protobuf_fields(record, entry_start, entry_end):
+        if field == 1:
+          key = record[s:e].decode('utf-8')
+        elif field == 2:
+          value = (s, e)
+      if key in names and value is not None:
+        for field, s, e in _protobuf_fields(record, *value):
+          if field == 1:  # bytes_list
+            texts[key] = next((record[vs:ve].decode('utf-8') for f, vs, ve in
+                               _protobuf_fields(record, s, e) if f == 1), '')
+  missing = [name for name in names if name not in texts]
+  if missing:
+    raise DataError(f'A record has no text feature {missing[0]!r}.')
+  return [texts[name] for name in names]
+
+
+def _split_pairs(builder: tfds.core.DatasetBuilder, config, split) -> tuple[list[str], list[str]]:
+  """A split's (sources, targets), whitespace-stripped, in dataset order (`_text_chunks`'s),
+  read from TFDS's files without TensorFlow when it can (`_reads_files_directly`)."""
+  if not _reads_files_directly(builder, config):
+    src, tgt = [], []
+    for s, t in _text_chunks(builder, config, split):
+      src.extend(s)
+      tgt.extend(t)
+    return src, tgt
+  names = (config.data.source_lang, config.data.target_lang)
+  pairs = [_example_texts(record, names)
+           for fi in builder.info.splits[split].file_instructions
+           for record in _tfrecords(fi.filename, fi.skip, fi.take)]
+  return [s.strip() for s, _ in pairs], [t.strip() for _, t in pairs]
 
 
 def read_split(config, split: str, *, process_index: int = 0,
@@ -444,10 +541,7 @@ def read_split(config, split: str, *, process_index: int = 0,
     read_parallel_files(builder._folder, split, (data.source_lang, data.target_lang))  # Raises.
   builder = prepared_builder(config, process_index=process_index, process_count=process_count)
   _check_split(builder, config, split)
-  src, tgt = [], []
-  for s, t in _text_chunks(builder, config, split):
-    src.extend(s)
-    tgt.extend(t)
+  src, tgt = _split_pairs(builder, config, split)
   empty = sum(1 for s, t in zip(src, tgt, strict=True) if not s or not t)
   if empty and split == data.train_split:
     keep = [i for i, (s, t) in enumerate(zip(src, tgt, strict=True)) if s and t]
@@ -695,16 +789,14 @@ def _stream_chunks(builder: tfds.core.DatasetBuilder, config, streams: Sequence[
   one pass.
   """
   splits = tfds.even_splits(config.data.train_split, num_streams)
-  spec = _record_spec(builder, config)
-  if spec is None:
+  if not _reads_files_directly(builder, config):
     for stream in streams:
       yield stream, [], []
       for src, tgt in _text_chunks(builder, config, splits[stream]):
         yield stream, src, tgt
     return
   infos = [builder.info.splits[splits[stream]] for stream in streams]
-  chunks = _instruction_chunks(config, spec,
-                               [fi for info in infos for fi in info.file_instructions])
+  chunks = _instruction_chunks(config, [fi for info in infos for fi in info.file_instructions])
   src, tgt = [], []
   for stream, info in zip(streams, infos, strict=True):
     yield stream, [], []

@@ -9,6 +9,7 @@ import gzip
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -272,9 +273,9 @@ def test_streams_read_tfds_files_directly_as_tfds_reads_them(small, monkeypatch)
   """Uneven even splits (2,000 pairs in 3 streams) read in one pass equal TFDS's own reader."""
   config, tokenizer, _ = small
   builder = ip.prepared_builder(config)
-  assert ip._record_spec(builder, config) is not None
+  assert ip._reads_files_directly(builder, config)
   direct = list(ip.read_streams(builder, config, tokenizer, [0, 1, 2], 3))
-  monkeypatch.setattr(ip, '_record_spec', lambda *args: None)
+  monkeypatch.setattr(ip, '_reads_files_directly', lambda *args: False)
   for s in (2, 0):
     (stream, pairs, counts), = ip.read_streams(builder, config, tokenizer, [s], 3)
     assert stream == direct[s][0] == s and counts == direct[s][2]
@@ -282,6 +283,44 @@ def test_streams_read_tfds_files_directly_as_tfds_reads_them(small, monkeypatch)
         dataclasses.astuple(pairs), dataclasses.astuple(direct[s][1]), strict=True))
   assert [c['read'] for _, _, c in direct] == [667, 667, 666]
   assert direct[0][1].source_tokens.dtype == np.uint16
+
+
+@needs_multi30k
+def test_splits_read_without_tensorflow_as_tfds_reads_them(small, tmp_path):
+  """read_split parses TFDS's TFRecord files itself (importing TensorFlow would take longer
+  than decoding a test set): the pairs TFDS's reader gives, and a damaged record is an error
+  naming its file."""
+  config, _, (src, tgt) = small
+  builder = ip.prepared_builder(config)
+  for split, count in (('val', 100), ('train', 2000)):
+    tfds_pairs = ([], [])
+    for s, t in ip._text_chunks(builder, config, split):
+      tfds_pairs[0].extend(s)
+      tfds_pairs[1].extend(t)
+    assert ip._split_pairs(builder, config, split) == tfds_pairs and len(tfds_pairs[0]) == count
+  assert (src, tgt) == tfds_pairs  # The fixture's own read_split of train.
+  assert ip._masked_crc32c(b'123456789') == (((0xE3069283 >> 15) | (0xE3069283 << 17)) +
+                                             0xA282EAD8) & 0xFFFFFFFF  # CRC-32C's check value.
+  script = ('import sys, json, input_pipeline as ip\n'
+            'from configs import multi30k\n'
+            'config = multi30k.get_config()\n'
+            'config.data.update(json.loads(sys.argv[1]))\n'
+            'src, tgt = ip.read_split(config, "val")\n'
+            'assert "tensorflow" not in sys.modules, "read_split imported TensorFlow"\n'
+            'print(len(src))\n')
+  data = json.dumps({'dataset_name': config.data.dataset_name,
+                     'data_dir': config.data.data_dir})
+  result = subprocess.run([sys.executable, '-c', script, data], capture_output=True,
+                          cwd=str(Path(__file__).resolve().parents[1]), timeout=300)
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  assert result.stdout.decode().split() == ['100']
+  record_file = next(Path(builder.data_dir).glob('*-val.tfrecord*'))
+  damaged = bytearray(record_file.read_bytes())
+  damaged[len(damaged) // 2] ^= 0xFF
+  copy = tmp_path / record_file.name
+  copy.write_bytes(bytes(damaged))
+  with pytest.raises(ip.DataError, match=f'{copy.name}: record .* damaged'):
+    list(ip._tfrecords(str(copy), 0, 100))
 
 
 @needs_multi30k
