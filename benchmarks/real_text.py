@@ -2,14 +2,18 @@
 
     python -m benchmarks.real_text --workdir runs/multi30k --checkpoint averaged \
         --source test_2016_flickr.en --reference test_2016_flickr.de [--rounds 3] \
-        [--baseline_repo /path/to/older/checkout] --output results.json
+        [--split test_2016_flickr] [--baseline_repo /path/to/older/checkout] \
+        --output results.json
 
 Each engine runs as its own process, one at a time, the engines alternating within each round:
 `decode.py` with an empty compilation cache (what a first run pays) and again with the cache
 it filled, `serving.py` on an `export.py --format jax` folder, CTranslate2 float32 and int8 on
 `export.py --format ctranslate2` folders (2 threads, beam 4, batches of 4,096 tokens). Each
 row gives the whole command's wall time and sentences/s, and sacreBLEU / chrF of its output.
-`--baseline_repo` adds decode.py of another checkout (e.g. an earlier commit). A last row
+`--split` adds decode.py reading that split of the run's dataset through TFDS, as the README
+runs it (the split's text must be --source's; TFDS prepares it once into a scratch folder
+before the rounds; MULTI30K_DIR as for training). `--baseline_repo` adds decode.py of another
+checkout (e.g. an earlier commit), reading --source (or --split). A last row
 measures decode.py's Translator in one process: the first call (compiling) and a second call
 (steady state).
 """
@@ -89,6 +93,8 @@ def main():
   parser.add_argument('--reference', required=True)
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--baseline_repo', default=None)
+  parser.add_argument('--split', default=None,
+                      help="also decode.py --split SPLIT (the run's dataset, as the README runs it)")
   parser.add_argument('--stopping', choices=('exact', 'early'), default=None,
                       help="decode.py's and the in-process Translator's (default: the run's)")
   parser.add_argument('--engines', default=None,
@@ -105,15 +111,19 @@ def main():
     timed([python, 'export.py', '--workdir', args.workdir, '--format', fmt.split('_')[0],
            '--output', folders[fmt], *checkpoint, *extra])
   count = sum(1 for _ in open(args.source, encoding='utf-8'))
-  decode = lambda repo: [python, os.path.join(repo, 'decode.py'), '--workdir', args.workdir,
-                         '--input', args.source, *checkpoint,
-                         *(['--stopping', args.stopping] if args.stopping else [])]
+  source = lambda split: ['--split', args.split] if split else ['--input', args.source]
+  decode = lambda repo, split=False: [
+      python, os.path.join(repo, 'decode.py'), '--workdir', args.workdir, *source(split),
+      *checkpoint, *(['--stopping', args.stopping] if args.stopping else [])]
+  tfds = {'TFDS_DATA_DIR': os.path.join(scratch, 'tfds')}
   engines = {
       'decode.py, empty compilation cache': lambda out, cache: timed(
           [*decode(REPO), '--output', out],
           {'JAX_COMPILATION_CACHE_DIR': cache + '_cold_' + str(time.time())}),
       'decode.py, compilation cache filled': lambda out, cache: timed(
           [*decode(REPO), '--output', out], {'JAX_COMPILATION_CACHE_DIR': cache}),
+      'decode.py --split, compilation cache filled': lambda out, cache: timed(
+          [*decode(REPO, True), '--output', out], {'JAX_COMPILATION_CACHE_DIR': cache, **tfds}),
       'serving.py (export.py --format jax)': lambda out, cache: timed(
           [python, os.path.join(folders['jax'], 'serving.py'), '--model', folders['jax'],
            '--input', args.source, '--output', out]),
@@ -122,15 +132,20 @@ def main():
       'CTranslate2 int8': lambda out, cache: timed(
           [python, '-c', CTRANSLATE2, folders['ctranslate2_int8'], args.source, out]),
   }
+  if not args.split:
+    del engines['decode.py --split, compilation cache filled']
   if args.baseline_repo:
     engines['decode.py of --baseline_repo'] = lambda out, cache: timed(
-        [*decode(args.baseline_repo), '--output', out],
-        {'JAX_COMPILATION_CACHE_DIR': ''}, cwd=args.baseline_repo)
+        [*decode(args.baseline_repo, bool(args.split)), '--output', out],
+        {'JAX_COMPILATION_CACHE_DIR': '', **tfds}, cwd=args.baseline_repo)
   if args.engines:
     wanted = [w for w in args.engines.split(',') if w]
     engines = {k: v for k, v in engines.items() if any(w in k for w in wanted)}
   cache = os.path.join(scratch, 'compilation_cache')
   timed([*decode(REPO), '--output', os.devnull], {'JAX_COMPILATION_CACHE_DIR': cache})
+  if args.split:  # Prepares the split's TFDS files (with TensorFlow), once.
+    timed([*decode(REPO, True), '--output', os.devnull], {'JAX_COMPILATION_CACHE_DIR': cache,
+                                                          **tfds})
   rows = {name: {'seconds': []} for name in engines}
   for round_index in range(args.rounds):
     for name, run in engines.items():
