@@ -6,9 +6,9 @@
       [--quantization int8]
 
 --format jax: a `jax.export` translator (encoder + beam search, the parameters passed as
-arguments, a symbolic batch dimension, one program per source-length bucket) with its
-parameters and tokenizer; `serving.py`, copied into the folder, translates with it using only
-jax, numpy and sentencepiece.
+arguments, a symbolic batch dimension, one program per source-length bucket; for the CPU also
+a continuous batching search per bucket) with its parameters and tokenizer; `serving.py`,
+copied into the folder, translates with it using only jax, numpy and sentencepiece.
 --format ctranslate2: a CTranslate2 model folder (`pip install -e '.[ctranslate2]'`).
 """
 
