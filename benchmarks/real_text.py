@@ -94,7 +94,7 @@ def main():
   parser.add_argument('--rounds', type=int, default=3)
   parser.add_argument('--baseline_repo', default=None)
   parser.add_argument('--split', default=None,
-                      help="also decode.py --split SPLIT (the run's dataset, as the README runs it)")
+                      help="also decode.py --split SPLIT of the run's dataset (the README's way)")
   parser.add_argument('--stopping', choices=('exact', 'early'), default=None,
                       help="decode.py's and the in-process Translator's (default: the run's)")
   parser.add_argument('--engines', default=None,
