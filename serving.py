@@ -64,7 +64,7 @@ class ExportedTranslator:
     with np.load(os.path.join(folder, 'params.npz')) as arrays:
       self._params = jax.device_put(_unflatten({k: arrays[k] for k in arrays.files}))
     self._folder = folder
-    self._programs: dict[int, jax.export.Exported] = {}
+    self._programs: dict[str, jax.export.Exported] = {}
 
   def _program(self, name: str) -> jax.export.Exported:
     if name not in self._programs:
