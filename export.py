@@ -41,7 +41,7 @@ from model import (
   sinusoidal_table,
   transformer_beam_search,
 )
-from model.continuous_batching import transformer_continuous_beam_search, unpacked_queue
+from model.continuous_batching import transformer_continuous_beam_search
 
 FLAGS = flags.FLAGS
 FORMATS = ('jax', 'ctranslate2')
@@ -87,16 +87,16 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
     with open(os.path.join(output_dir, f'translator_{length}.jax'), 'wb') as f:
       f.write(exported.serialize())
   # On the CPU, more sentences than slots decode with continuous batching: per bucket a queue
-  # of a fixed number of sentences, one per row, of which the first `count` are decoded.
+  # of a fixed number of sentences, one per row (the search packs them for its encoder), of
+  # which the first `count` are decoded.
   continuous = {}
   if model.config.use_cpu_decoding:
     continuous = dict(slots=translation.CONTINUOUS_SLOTS, sizes={})
     for length in buckets:
       size = translation.continuous_queue_size(length)
       search = functools.partial(
-          lambda params, sources, count, **kwargs: transformer_continuous_beam_search(
-              model, params, unpacked_queue(sources), count, **kwargs),
-          slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
+          transformer_continuous_beam_search, model, slots=translation.CONTINUOUS_SLOTS,
+          refill=translation.CONTINUOUS_REFILL,
           max_length=min(length + settings['max_extra_length'], max_length), **settings)
       exported = jax.export.export(jax.jit(search), platforms=(platform,))(
           abstract_params, jax.ShapeDtypeStruct((size, length), np.int32),

@@ -34,13 +34,14 @@ import sharding
 from configs import multi30k
 from model import (
     EOS_ID,
+    PAD_ID,
     Transformer,
     make_model,
     transformer_beam_search,
     transformer_ensemble_beam_search,
     upgrade_params,
 )
-from model.continuous_batching import pack_queue, transformer_continuous_beam_search
+from model.continuous_batching import transformer_continuous_beam_search
 from model.decoding import STOPPING_RULES
 
 # config.json of runs written before the config had groups: old key -> (group, key).
@@ -170,21 +171,22 @@ def continuous_queue_size(width: int) -> int:
   return max(CONTINUOUS_SLOTS, 1 << (CONTINUOUS_QUEUE_TOKENS // width).bit_length() - 1)
 
 
-def continuous_queues(sources: list[np.ndarray]) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
+def continuous_queues(sources: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
   """`sources` (token id arrays) as the queues of continuous batching searches: per search,
-  the indices into `sources` of its sentences (longest first) and its `pack_queue` arrays,
-  padded to a power of two of sentences (at least CONTINUOUS_SLOTS) within
-  CONTINUOUS_QUEUE_TOKENS, so that few shapes compile."""
+  the indices into `sources` of its sentences (longest first) and its queue [size, width]
+  (a sentence per row, then rows of padding; width: its longest source rounded up to a
+  multiple of 8; size: a power of two of sentences, at least CONTINUOUS_SLOTS, within
+  CONTINUOUS_QUEUE_TOKENS), so that few shapes compile."""
   order = np.argsort([-len(x) for x in sources], kind='stable')
   queues, start = [], 0
   while start < len(order):
-    width = -(-len(sources[order[start]]) // 8) * 8  # The longest left, as pack_queue pads.
+    width = max(8, -(-len(sources[order[start]]) // 8) * 8)  # The longest left.
     size = min(continuous_queue_size(width),
                max(CONTINUOUS_SLOTS, 1 << (len(order) - start - 1).bit_length()))
     indices = order[start:start + size]
-    queue = pack_queue([sources[i] for i in indices], row_multiple=64)
-    queue['origin'] = np.pad(queue['origin'], [(0, size - len(indices)), (0, 0)],
-                             constant_values=-1)
+    queue = np.full((size, width), PAD_ID, np.int32)
+    for row, i in enumerate(indices):
+      queue[row, :len(sources[i])] = sources[i]
     queues.append((indices, queue))
     start += size
   return queues
@@ -342,7 +344,7 @@ class Translator:
       inputs = input_pipeline.truncate(inputs, longest, 'inputs')
       jobs = []
       for indices, queue in continuous_queues(inputs):
-        max_length = min(queue['origin'].shape[1] + self.max_extra_length, self.max_length)
+        max_length = min(queue.shape[1] + self.max_extra_length, self.max_length)
         args = (queue, np.int32(len(indices)))
         jobs.append((indices, self._program(self._continuous_search, params, args, None,
                                             max_length), args, None))

@@ -91,7 +91,7 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
       slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
       beam_size=decode.beam_size, alpha=decode.alpha, max_extra_length=decode.max_extra_length,
       stopping=decode.get('stopping', 'exact')), static_argnames='max_length')
-  max_length = min(queue['origin'].shape[1] + decode.max_extra_length, decode.max_length,
+  max_length = min(queue.shape[1] + decode.max_extra_length, decode.max_length,
                    model.config.max_len)
   start = time.time()
   program = search.lower(params, queue, np.int32(len(order)), max_length=max_length).compile()
@@ -104,7 +104,7 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
   ended = lambda x: x[:int(np.argmax(x == EOS_ID)) + 1]  # Up to the EOS.
   same = all(np.array_equal(ended(sequences[row, 0]), ended(batch_best[int(i)]))
              for row, i in enumerate(order))
-  return {'queue': 'x'.join(map(str, queue['origin'].shape)), 'compile_seconds': compile_seconds,
+  return {'queue': 'x'.join(map(str, queue.shape)), 'compile_seconds': compile_seconds,
           'pass_seconds': min(seconds), 'same_translations_as_batches': same}
 
 

@@ -4,7 +4,7 @@ the attentional RNN it replaced (`model/rnn.py`) with the same interface."""
 from collections.abc import Mapping
 from typing import Any
 
-from model.continuous_batching import pack_queue, transformer_continuous_beam_search
+from model.continuous_batching import transformer_continuous_beam_search
 from model.decoding import (
     beam_search,
     greedy_search,
@@ -53,7 +53,7 @@ __all__ = [
     'ARCHITECTURES', 'EOS_ID', 'PAD_ID', 'RNN', 'UNK_ID', 'Decoder', 'DecoderLayer', 'Encoder',
     'EncoderLayer', 'FeedForward', 'MultiHeadAttention', 'RNNConfig', 'Transformer',
     'TransformerConfig', 'beam_search', 'count_params', 'greedy_search', 'length_penalty',
-    'make_model', 'pack_queue', 'sample', 'shift_right',
+    'make_model', 'sample', 'shift_right',
     'sinusoidal_table', 'transformer_beam_search', 'transformer_continuous_beam_search',
     'transformer_ensemble_beam_search',
     'transformer_greedy_search', 'transformer_sample', 'upgrade_params',

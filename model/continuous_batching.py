@@ -4,7 +4,8 @@ A batch search (`decoding.beam_search`) runs every sentence of a batch until the
 ends: on real text nearly half of its hypothesis-steps decode sentences already done. Here
 the loop runs `slots` sentences at a time, each at its own position; a slot whose sentence
 ends takes the next sentence of the queue at the next step, so every step decodes running
-sentences until the queue is empty. The queue is encoded once, up front.
+sentences until the queue is empty. The queue's sentences are packed into rows, first fit,
+and encoded once, up front; blocks of rows that hold no sentence are skipped.
 
 Each sentence's search is `beam_search`'s (`decoding.beam_step`, the same stopping rules,
 length limits and scores); only the steps at which its neighbours start and end differ. It
@@ -19,7 +20,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from model import cpu_decoding
 from model.decoding import NEG_INF, STOPPING_RULES, beam_step, chunk_ends, length_penalty
@@ -35,58 +35,39 @@ ENCODER_BLOCK_POSITIONS = 4096
 FIRST_CHUNK_LENGTH = 16
 
 
-def pack_queue(sources: list[np.ndarray], length_multiple: int = 8,
-               row_multiple: int = 8) -> dict[str, np.ndarray]:
-  """The queue of `sources` (1-D int token arrays, EOS included, in decoding order) as the
-  inputs of `transformer_continuous_beam_search`: the sentences packed into rows for the
-  encoder (first fit, in order), and where each sentence's tokens went.
+def pack_queue(sources: Array) -> dict[str, Array]:
+  """The queue's sentences packed into rows for the encoder, first fit in queue order, and
+  where each sentence's tokens went (traceable: the search packs its queue itself).
 
-  Returns {'sources': [rows, width] int32 (width: the longest source rounded up to
-  `length_multiple`, rows to `row_multiple`), 'segmentation': [rows, width] int32 (0:
-  padding), 'origin': [queue, width] int32, the flat index into sources of each sentence's
-  j-th token, -1 past its end}.
-  """
-  lengths = np.array([len(x) for x in sources], np.int64)
-  width = max(length_multiple, -(-int(lengths.max(initial=1)) // length_multiple) *
-              length_multiple)
-  free = np.zeros(0, np.int64)  # Free tokens left in each row.
-  placed = np.zeros((len(sources), 2), np.int64)  # Row and offset of each sentence.
-  for i, n in enumerate(lengths):
-    fits = np.flatnonzero(free >= n)
-    if fits.size:
-      row = int(fits[0])
-    else:
-      row, free = len(free), np.append(free, width)
-    placed[i] = row, width - free[row]
-    free[row] -= n
-  rows = max(row_multiple, -(-len(free) // row_multiple) * row_multiple)
-  packed = np.zeros((rows, width), np.int32)
-  segmentation = np.zeros((rows, width), np.int32)
-  origin = np.full((len(sources), width), -1, np.int32)
-  for i, ((row, offset), tokens) in enumerate(zip(placed, sources)):
-    packed[row, offset:offset + len(tokens)] = tokens
-    segmentation[row, offset:offset + len(tokens)] = i + 1
-    origin[i, :len(tokens)] = row * width + offset + np.arange(len(tokens))
-  return {'sources': packed, 'segmentation': segmentation, 'origin': origin}
-
-
-def unpacked_queue(sources: Array) -> dict[str, Array]:
-  """`pack_queue`'s arrays for sentences given one per row, without packing (traceable: the
-  exported translator builds its queue inside its program).
-
-  sources: [queue, width] int32, each row a sentence (EOS included) then PAD_ID, or all
-  PAD_ID for an empty one.
+  sources: [queue, width] int32, a sentence per row (EOS included) then PAD_ID; all PAD_ID
+    for none.
+  Returns {'sources': [queue, width] int32, the packed rows (rows no sentence needed are
+  padding), 'segmentation': [queue, width] int32 (sentence i's tokens i + 1, padding 0),
+  'origin': [queue, width] int32, the flat index into the packed rows of sentence i's j-th
+  token, -1 past its end}.
   """
   queue, width = sources.shape
-  present = sources != PAD_ID
-  segmentation = jnp.where(present, jnp.arange(1, queue + 1, dtype=jnp.int32)[:, None], 0)
-  origin = jnp.where(present, jnp.arange(queue * width, dtype=jnp.int32).reshape(queue, width),
-                     -1)
-  return {'sources': sources, 'segmentation': segmentation, 'origin': origin}
+  lengths = jnp.sum(sources != PAD_ID, axis=1, dtype=jnp.int32)
+
+  def place(i, carry):  # Sentence i goes to the first row with room for it.
+    free, starts = carry
+    row = jnp.argmax(free >= lengths[i]).astype(jnp.int32)
+    return free.at[row].add(-lengths[i]), starts.at[i].set(row * width + width - free[row])
+
+  _, starts = jax.lax.fori_loop(0, queue, place, (jnp.full((queue,), width, jnp.int32),
+                                                  jnp.zeros((queue,), jnp.int32)))
+  positions = jnp.arange(width, dtype=jnp.int32)
+  present = positions < lengths[:, None]
+  origin = jnp.where(present, starts[:, None] + positions, -1)
+  target = jnp.where(present, origin, queue * width).reshape(-1)  # Out of range: dropped.
+  scatter = lambda values: jnp.zeros((queue * width,), jnp.int32).at[target].set(
+      values.reshape(-1), mode='drop').reshape(queue, width)
+  sentence = jnp.broadcast_to(jnp.arange(1, queue + 1, dtype=jnp.int32)[:, None], (queue, width))
+  return {'sources': scatter(sources), 'segmentation': scatter(sentence), 'origin': origin}
 
 
 def transformer_continuous_beam_search(
-    model: Transformer, params: Any, queue: dict[str, Array], count: Array | int, *,
+    model: Transformer, params: Any, sources: Array, count: Array | int, *,
     slots: int, refill: int, beam_size: int = 4, alpha: float = 0.6,
     max_length: int | None = None, max_extra_length: int = 50, nbest: int = 1,
     stopping: str = 'exact') -> tuple[Array, Array]:
@@ -94,9 +75,10 @@ def transformer_continuous_beam_search(
 
   Args:
     model: a Transformer on the CPU decoding path (`TransformerConfig.use_cpu_decoding`).
-    queue: from `pack_queue` (arrays of any count of sentences padded with empty ones); its
-      first `count` sentences are decoded, in order. Longest first leaves the shortest for
-      the end, when slots start running empty.
+    sources: [queue, width] int32, the queue: a sentence per row (EOS included) then PAD_ID,
+      in decoding order, then rows of padding (any number: a queue's shape is fixed, its
+      count of sentences is not). Longest first leaves the shortest for the end, when slots
+      start running empty, and packs the rows the encoder reads (`pack_queue`) tightly.
     count: scalar int, how many sentences of the queue to decode (the rest is padding).
     slots: sentences decoded at once.
     refill: at most this many empty slots take a new sentence per step.
@@ -113,7 +95,8 @@ def transformer_continuous_beam_search(
     raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
   if not 1 <= nbest <= beam_size:
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
-  origin = jnp.asarray(queue['origin'])
+  queue = pack_queue(jnp.asarray(sources, jnp.int32))
+  origin = queue['origin']
   queue_size, src_len = origin.shape
   if max_length is None:
     max_length = min(src_len + max_extra_length, config.max_len)
@@ -143,8 +126,8 @@ def transformer_continuous_beam_search(
     flat = lambda x: x.reshape((rows * width,) + x.shape[3:])
     return [(flat(keys), flat(values)) for keys, values in cross]
 
-  cross = model.apply(variables, jnp.asarray(queue['sources']),
-                      jnp.asarray(queue['segmentation']), method=cross_keys_values)
+  cross = model.apply(variables, queue['sources'], queue['segmentation'],
+                      method=cross_keys_values)
 
   ends = chunk_ends(length, FIRST_CHUNK_LENGTH)
   chunks = {name: [cpu_decoding.empty_chunk(name, slots, config.num_heads, config.head_dim,

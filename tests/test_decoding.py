@@ -536,35 +536,26 @@ def test_an_ensemble_of_one_is_the_model_and_of_two_averages_log_probs(medium):
 # Continuous batching.
 
 
-def test_pack_queue_places_every_token_where_origin_says():
+def test_pack_queue_packs_first_fit_in_order_and_places_every_token_where_origin_says():
+  """Sentences of 9, 7, 7, 4, 3, 2 and 1 tokens (an empty row among them, two rows of
+  padding after) in rows of 16: each goes to the first row with room at its turn."""
   rng = np.random.default_rng(0)
-  sources = [rng.integers(3, 50, size=n).astype(np.int32) for n in [9, 7, 7, 4, 3, 2, 1]]
-  queue = continuous_batching.pack_queue(sources, length_multiple=8, row_multiple=2)
-  packed, segmentation, origin = queue['sources'], queue['segmentation'], queue['origin']
-  assert packed.shape[1] == 16 and packed.shape[0] % 2 == 0 and origin.shape == (7, 16)
-  assert packed.shape[0] < len(sources)  # Sentences share rows.
-  for i, tokens in enumerate(sources):
-    where = origin[i, :len(tokens)]
-    np.testing.assert_array_equal(packed.reshape(-1)[where], tokens)
-    assert np.all(segmentation.reshape(-1)[where] == i + 1)
-    assert np.all(origin[i, len(tokens):] == -1)
-  assert np.count_nonzero(segmentation) == sum(len(x) for x in sources)
-
-
-def test_unpacked_queue_places_every_token_where_origin_says():
-  """The exported translator's queue: a sentence per row, an empty row for no sentence."""
-  rng = np.random.default_rng(1)
-  lengths = [9, 7, 4, 1, 0]
-  rows = np.zeros((5, 16), np.int32)
+  lengths = [9, 7, 7, 0, 4, 3, 2, 1, 0, 0]
+  rows = np.zeros((len(lengths), 16), np.int32)
   for i, n in enumerate(lengths):
     rows[i, :n] = rng.integers(3, 50, size=n)
-  queue = jax.tree_util.tree_map(np.asarray, continuous_batching.unpacked_queue(rows))
+  queue = jax.tree_util.tree_map(np.asarray, jax.jit(continuous_batching.pack_queue)(rows))
+  packed, segmentation, origin = queue['sources'], queue['segmentation'], queue['origin']
+  assert packed.shape == (10, 16) and origin.shape == (10, 16)
+  starts = [(row, offset) for row, offset in zip(*divmod(origin[:, 0], 16))]
+  want = {0: (0, 0), 1: (0, 9), 2: (1, 0), 4: (1, 7), 5: (1, 11), 6: (1, 14), 7: (2, 0)}
+  assert {i: starts[i] for i in want} == want
   for i, n in enumerate(lengths):
-    where = queue['origin'][i, :n]
-    np.testing.assert_array_equal(queue['sources'].reshape(-1)[where], rows[i, :n])
-    assert np.all(queue['segmentation'].reshape(-1)[where] == i + 1)
-    assert np.all(queue['origin'][i, n:] == -1)
-  assert np.count_nonzero(queue['segmentation']) == sum(lengths)
+    where = origin[i, :n]
+    np.testing.assert_array_equal(packed.reshape(-1)[where], rows[i, :n])
+    assert np.all(segmentation.reshape(-1)[where] == i + 1)
+    assert np.all(origin[i, n:] == -1)
+  assert np.count_nonzero(segmentation) == sum(lengths) and not packed[3:].any()
 
 
 @pytest.mark.parametrize('stopping,nbest,attention', [
@@ -581,8 +572,7 @@ def test_continuous_batching_gives_each_sentence_the_batch_search_result(stoppin
   lengths = np.random.default_rng(4).integers(1, 12, size=20)
   sources = random_sources(np.random.default_rng(5), lengths, 20)
   order = np.argsort(-lengths, kind='stable')
-  queue = continuous_batching.pack_queue([sources[i, :n] for i, n in zip(order, lengths[order])])
-  queue['origin'] = np.pad(queue['origin'], [(0, 4), (0, 0)], constant_values=-1)  # Padding.
+  queue = np.pad(sources[order], [(0, 4), (0, 0)])  # 4 rows of padding after the queue.
   settings = dict(beam_size=4, nbest=nbest, stopping=stopping, max_length=30,
                   max_extra_length=18)
   seqs, scores = jitted(continuous_batching.transformer_continuous_beam_search, model,
@@ -601,7 +591,7 @@ def test_continuous_batching_gives_each_sentence_the_batch_search_result(stoppin
 
 def test_continuous_batching_needs_the_cpu_decoding_cache():
   model, params = make_model(20, cpu_tuned=False)
-  queue = continuous_batching.pack_queue([np.array([5, 6, EOS_ID], np.int32)])
+  queue = np.array([[5, 6, EOS_ID]], np.int32)
   with pytest.raises(ValueError, match='CPU decoding cache'):
     continuous_batching.transformer_continuous_beam_search(model, params, queue, 1, slots=2,
                                                            refill=1)

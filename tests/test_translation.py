@@ -118,12 +118,14 @@ def test_continuous_queues_take_every_sentence_once_longest_first_within_the_bud
   lengths = [len(sources[i]) for i in taken]
   assert lengths == sorted(lengths, reverse=True)
   for indices, queue in queues:
-    size, width = queue['origin'].shape
+    size, width = queue.shape
     assert size & (size - 1) == 0 and size >= 4 and size >= len(indices)
     assert size * width <= 64 or size == 4  # The budget, or the fewest slots.
-    np.testing.assert_array_equal(
-        queue['sources'].reshape(-1)[queue['origin'][0, :len(sources[indices[0]])]],
-        sources[indices[0]])
+    assert width % 8 == 0 and width - 8 < len(sources[indices[0]]) <= width
+    for row, i in enumerate(indices):  # A sentence per row, then padding.
+      np.testing.assert_array_equal(queue[row, :len(sources[i])], sources[i])
+      assert not queue[row, len(sources[i]):].any()
+    assert not queue[len(indices):].any()
 
 
 def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch):
