@@ -95,6 +95,9 @@ def transformer_continuous_beam_search(
     raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
   if not 1 <= nbest <= beam_size:
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
+  if jnp.ndim(sources) != 2:
+    raise ValueError('sources must be token ids [queue, width], a sentence per row; got '
+                     f'{type(sources).__name__} of shape {jnp.shape(sources)}.')
   queue = pack_queue(jnp.asarray(sources, jnp.int32))
   origin = queue['origin']
   queue_size, src_len = origin.shape

@@ -589,9 +589,13 @@ def test_continuous_batching_gives_each_sentence_the_batch_search_result(stoppin
   assert len(set(lengths_out)) > 3 and lengths_out.max() > 16
 
 
-def test_continuous_batching_needs_the_cpu_decoding_cache():
+def test_continuous_batching_needs_the_cpu_decoding_cache_and_rows_of_sources():
   model, params = make_model(20, cpu_tuned=False)
   queue = np.array([[5, 6, EOS_ID]], np.int32)
   with pytest.raises(ValueError, match='CPU decoding cache'):
     continuous_batching.transformer_continuous_beam_search(model, params, queue, 1, slots=2,
+                                                           refill=1)
+  model, params = make_model(20, cpu_tuned=True)
+  with pytest.raises(ValueError, match=r'sources must be token ids \[queue, width\]'):
+    continuous_batching.transformer_continuous_beam_search(model, params, queue[0], 1, slots=2,
                                                            refill=1)
