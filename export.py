@@ -72,7 +72,8 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   decode_config = config.decode
   settings = dict(beam_size=decode_config.beam_size, alpha=decode_config.alpha,
                   max_extra_length=decode_config.max_extra_length,
-                  stopping=decode_config.get('stopping', 'exact'))
+                  stopping=decode_config.get('stopping', 'exact'),
+                  min_length=decode_config.get('min_length', 1))
   max_length = min(decode_config.max_length, model.config.max_len)
   buckets = [b for b in JAX_BUCKETS if b < model.config.max_len] + [model.config.max_len]
   abstract_params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),

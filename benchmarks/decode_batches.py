@@ -38,8 +38,8 @@ def measure(workdir: str, source: str, checkpoint: str | None = None,
   decode = config.decode
   search = jax.jit(functools.partial(
       transformer_beam_search, model, beam_size=decode.beam_size, alpha=decode.alpha,
-      max_extra_length=decode.max_extra_length, stopping=decode.get('stopping', 'exact')),
-      static_argnames='max_length')
+      max_extra_length=decode.max_extra_length, stopping=decode.get('stopping', 'exact'),
+      min_length=decode.get('min_length', 1)), static_argnames='max_length')
   lines = [line for line in input_pipeline.read_lines(source) if line.strip()]
   batches = input_pipeline.length_batches({'inputs': tokenizer.encode(lines)},
                                           decode.batch_tokens, model.config.max_len)
@@ -90,7 +90,8 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
       continuous_batching.transformer_continuous_beam_search, model,
       slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
       beam_size=decode.beam_size, alpha=decode.alpha, max_extra_length=decode.max_extra_length,
-      stopping=decode.get('stopping', 'exact')), static_argnames='max_length')
+      stopping=decode.get('stopping', 'exact'), min_length=decode.get('min_length', 1)),
+      static_argnames='max_length')
   max_length = min(queue.shape[1] + decode.max_extra_length, decode.max_length,
                    model.config.max_len)
   start = time.time()

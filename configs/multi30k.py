@@ -112,6 +112,9 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   # 'early': a sentence ends once no live hypothesis would beat its finished ones by ending at
   # the next step (CTranslate2's rule, far fewer steps); 'exact': not even at its length limit.
   config.decode.stopping = 'early'
+  # The fewest tokens before the end of a translation: 1, never an empty one (fairseq's and
+  # CTranslate2's default); an empty source still gets an empty translation.
+  config.decode.min_length = 1
   config.decode.max_length = 256  # And <= this.
   config.decode.batch_tokens = 4096  # Source tokens per batch.
 

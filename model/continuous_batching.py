@@ -22,7 +22,15 @@ import jax
 import jax.numpy as jnp
 
 from model import cpu_decoding
-from model.decoding import NEG_INF, STOPPING_RULES, beam_step, chunk_ends, length_penalty
+from model.decoding import (
+    NEG_INF,
+    STOPPING_RULES,
+    beam_step,
+    check_alpha,
+    check_min_length,
+    chunk_ends,
+    length_penalty,
+)
 from model.transformer import PAD_ID, Transformer
 
 Array = jax.Array
@@ -70,7 +78,7 @@ def transformer_continuous_beam_search(
     model: Transformer, params: Any, sources: Array, count: Array | int, *,
     slots: int, refill: int, beam_size: int = 4, alpha: float = 0.6,
     max_length: int | None = None, max_extra_length: int = 50, nbest: int = 1,
-    stopping: str = 'exact') -> tuple[Array, Array]:
+    stopping: str = 'exact', min_length: int = 1) -> tuple[Array, Array]:
   """`transformer_beam_search`'s translations of a queue of sentences, `slots` at a time.
 
   Args:
@@ -95,6 +103,8 @@ def transformer_continuous_beam_search(
     raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
   if not 1 <= nbest <= beam_size:
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
+  check_min_length(min_length)
+  check_alpha(alpha)
   if jnp.ndim(sources) != 2:
     raise ValueError('sources must be token ids [queue, width], a sentence per row; got '
                      f'{type(sources).__name__} of shape {jnp.shape(sources)}.')
@@ -199,7 +209,7 @@ def transformer_continuous_beam_search(
     new = beam_step(state, logits, cache, limits=state['limits'],
                     penalty_at_limit=length_penalty(state['limits'], alpha), alpha=alpha,
                     nbest=nbest, stopping=stopping, select=select,
-                    reorder=cpu_decoding.reorder_cache)
+                    reorder=cpu_decoding.reorder_cache, min_length=min_length)
     # Sentences that ended this step hand in their result and free their slot.
     ended = running & new['done']
     target = jnp.where(ended, state['sentence'], queue_size)

@@ -20,6 +20,10 @@ Semantics shared by all searches:
     output ends in EOS. Padding (0) is never produced.
   * Scores are sums of the step function's log-probabilities, so a returned score can be
     recomputed with a teacher-forced pass over the returned sequence.
+  * `min_length` forbids EOS before that many other tokens (except at the length limit, so
+    a sentence whose limit is 1 still ends at once): the Transformer's searches default to 1,
+    so a nonempty source never gets an empty translation (as fairseq's and CTranslate2's
+    defaults); the generic searches to 0.
   * `force_full_length` (for benchmarks) forbids EOS before `limit_i`, so every step runs.
 
 Optional hooks let a model tune the loop (the Transformer's CPU variant uses them, see
@@ -31,6 +35,7 @@ position per sentence.
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -79,12 +84,15 @@ def top_k_extensions(log_probs: Array, hypothesis_log_probs: Array, allowed: Arr
 
 
 def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: bool,
-                    prefix: Array | None = None) -> Array:
-  """[batch, 1, vocab] bool: the tokens the decoding rules allow at position `step`."""
+                    prefix: Array | None = None, min_length: int = 0) -> Array:
+  """[batch, 1, vocab] bool: the tokens the decoding rules allow at position `step` (a
+  scalar, or [batch])."""
   ids = jnp.arange(vocab)
   allowed = ids != PAD_ID
   if force_full_length:
     allowed &= ids != EOS_ID
+  if min_length:  # Too short to end yet.
+    allowed = allowed & ~((ids == EOS_ID) & (jnp.reshape(step, (-1, 1, 1)) < min_length))
   last = (step + 1 >= limits)[:, None, None]  # The last allowed position: EOS only.
   allowed = jnp.where(last, ids == EOS_ID, allowed)
   if prefix is not None:  # Inside a sentence's prefix, its token only.
@@ -92,6 +100,19 @@ def _allowed_tokens(vocab: int, step: Array, limits: Array, force_full_length: b
     forced = jnp.where(step < prefix.shape[1], forced, PAD_ID)[:, None, None]
     allowed = jnp.where(forced != PAD_ID, ids == forced, allowed)
   return allowed
+
+
+def check_alpha(alpha: float) -> None:
+  """A length-penalty exponent must be finite and >= 0 (the stopping bounds assume it)."""
+  if isinstance(alpha, numbers.Real) and not 0 <= alpha < float('inf'):  # False for NaN.
+    raise ValueError(f'alpha (the length-penalty exponent) must be a finite number >= 0, '
+                     f'got {alpha}.')
+
+
+def check_min_length(min_length: int) -> None:
+  if isinstance(min_length, bool) or not isinstance(min_length, numbers.Integral) or (
+      min_length < 0):
+    raise ValueError(f'min_length must be an integer >= 0, got {min_length!r}.')
 
 
 def _limits(length_limits: Array | None, batch_size: int, max_length: int) -> Array:
@@ -138,7 +159,7 @@ def beam_step(state: dict[str, Any], log_probs: Array, cache: Any, *, limits: Ar
               penalty_at_limit: Array, alpha: float, nbest: int, stopping: str,
               select: Callable[..., tuple[Array, Array]], reorder: Callable[[Any, Array], Any],
               force_full_length: bool = False, prefix: Array | None = None,
-              token_log_probs: bool = False) -> dict[str, Any]:
+              token_log_probs: bool = False, min_length: int = 0) -> dict[str, Any]:
   """One step of `beam_search` once the model has scored it: the next state.
 
   state['step'] is a scalar, or [batch] (a position per sentence, continuous batching; no
@@ -148,7 +169,7 @@ def beam_step(state: dict[str, Any], log_probs: Array, cache: Any, *, limits: Ar
   step = state['step']
   beam = state['tokens'].shape[1]
   vocab = log_probs.shape[-1]
-  allowed = _allowed_tokens(vocab, step, limits, force_full_length, prefix)
+  allowed = _allowed_tokens(vocab, step, limits, force_full_length, prefix, min_length)
   # The 2 * beam best extensions over all beams: at most `beam` of them are EOS (one per
   # beam), so at least `beam` can stay live.
   cand_log_probs, flat = select(log_probs, state['log_probs'], allowed, 2 * beam)
@@ -202,7 +223,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
                 reorder_cache: Callable[[Any, Array], Any] | None = None,
                 top_k_extensions: Callable[..., tuple[Array, Array]] = top_k_extensions,
                 chunk_length: int | None = None,
-                grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, ...]:
+                grow_cache: Callable[[Any, int], Any] | None = None,
+                min_length: int = 0) -> tuple[Array, ...]:
   """Beam search with the GNMT length penalty, finished hypotheses kept apart from live ones.
 
   A hypothesis' score is sum(log-probs) / length_penalty(length, alpha). Each step takes the
@@ -239,6 +261,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     top_k_extensions: same signature and results as `top_k_extensions` (the CPU variant:
       `cpu_decoding.block_top_k_extensions`).
     chunk_length, grow_cache: run the loop in pieces; see `_while_loop`.
+    min_length: the fewest tokens before EOS (the length limit overrides it).
   Returns:
     sequences [batch, nbest, max_length] int32, best first, each ending in EOS then 0s;
     scores [batch, nbest] float32 (length-penalised), -inf for a missing hypothesis (when a
@@ -250,6 +273,8 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     raise ValueError(f'need 1 <= nbest <= beam_size, got nbest={nbest}, beam_size={beam_size}.')
   if stopping not in STOPPING_RULES:
     raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {stopping!r}.')
+  check_min_length(min_length)
+  check_alpha(alpha)
   batch, beam, length = batch_size, beam_size, max_length
   limits = _limits(length_limits, batch, length)
   if prefix is not None:
@@ -269,7 +294,7 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
     return beam_step(state, log_probs, cache, limits=limits, penalty_at_limit=penalty_at_limit,
                      alpha=alpha, nbest=nbest, stopping=stopping, select=select,
                      reorder=reorder, force_full_length=force_full_length, prefix=prefix,
-                     token_log_probs=token_log_probs)
+                     token_log_probs=token_log_probs, min_length=min_length)
 
   # Step 0: all beams hold the same empty prefix; only beam 0 may extend it.
   init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF)
@@ -294,13 +319,14 @@ def beam_search(step_fn: StepFn, cache: Any, *, batch_size: int, beam_size: int,
 def _sample_loop(step_fn: StepFn, cache: Any, choose: Callable[[Array, Array], Array],
                  batch_size: int, width: int, max_length: int, length_limits: Array | None,
                  force_full_length: bool, chunk_length: int | None,
-                 grow_cache: Callable | None) -> tuple[Array, Array]:
+                 grow_cache: Callable | None, min_length: int) -> tuple[Array, Array]:
   """Left-to-right decoding of `width` independent hypotheses per sentence.
 
   `choose(log_probs [batch, width, vocab], step) -> tokens [batch, width]` picks each token.
   Returns sequences [batch, width, max_length] int32 (EOS then 0s) and their summed
   log-probabilities [batch, width] float32.
   """
+  check_min_length(min_length)
   limits = _limits(length_limits, batch_size, max_length)
 
   def cond(state):
@@ -309,7 +335,8 @@ def _sample_loop(step_fn: StepFn, cache: Any, choose: Callable[[Array, Array], A
   def body(state):
     step, finished = state['step'], state['finished']
     log_probs, cache = step_fn(state['tokens'], step, state['cache'])
-    allowed = _allowed_tokens(log_probs.shape[-1], step, limits, force_full_length)
+    allowed = _allowed_tokens(log_probs.shape[-1], step, limits, force_full_length,
+                              min_length=min_length)
     log_probs = jnp.where(allowed, log_probs, NEG_INF)
     tokens = jnp.where(finished, PAD_ID, choose(log_probs, step))
     gain = jnp.take_along_axis(log_probs, tokens[:, :, None], axis=-1)[:, :, 0]
@@ -332,7 +359,8 @@ def _sample_loop(step_fn: StepFn, cache: Any, choose: Callable[[Array, Array], A
 def greedy_search(step_fn: StepFn, cache: Any, *, batch_size: int, max_length: int,
                   length_limits: Array | None = None, force_full_length: bool = False,
                   chunk_length: int | None = None,
-                  grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
+                  grow_cache: Callable[[Any, int], Any] | None = None,
+                  min_length: int = 0) -> tuple[Array, Array]:
   """The most probable token at every step; step_fn sees tokens [batch_size, 1].
 
   Args: as `beam_search`.
@@ -342,7 +370,7 @@ def greedy_search(step_fn: StepFn, cache: Any, *, batch_size: int, max_length: i
   """
   seqs, log_probs = _sample_loop(
       step_fn, cache, lambda log_probs, step: jnp.argmax(log_probs, axis=-1), batch_size, 1,
-      max_length, length_limits, force_full_length, chunk_length, grow_cache)
+      max_length, length_limits, force_full_length, chunk_length, grow_cache, min_length)
   return seqs[:, 0], log_probs[:, 0]
 
 
@@ -350,7 +378,8 @@ def sample(step_fn: StepFn, cache: Any, rng: Array, *, batch_size: int, max_leng
            num_samples: int = 1, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
            length_limits: Array | None = None, force_full_length: bool = False,
            chunk_length: int | None = None,
-           grow_cache: Callable[[Any, int], Any] | None = None) -> tuple[Array, Array]:
+           grow_cache: Callable[[Any, int], Any] | None = None,
+           min_length: int = 0) -> tuple[Array, Array]:
   """Ancestral sampling from the temperature-scaled, top-k / nucleus-truncated distribution.
 
   Args:
@@ -385,7 +414,7 @@ def sample(step_fn: StepFn, cache: Any, rng: Array, *, batch_size: int, max_leng
     return jax.random.categorical(jax.random.fold_in(rng, step), logits, axis=-1)
 
   return _sample_loop(step_fn, cache, choose, batch_size, num_samples, max_length,
-                      length_limits, force_full_length, chunk_length, grow_cache)
+                      length_limits, force_full_length, chunk_length, grow_cache, min_length)
 
 
 # --------------------------------------------------------------------------------------------
@@ -452,12 +481,15 @@ def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
                             max_length: int | None = None, max_extra_length: int = 50,
                             nbest: int = 1, force_full_length: bool = False,
                             stopping: str = 'exact', token_log_probs: bool = False,
-                            prefix: Array | None = None) -> tuple[Array, ...]:
+                            prefix: Array | None = None,
+                            min_length: int = 1) -> tuple[Array, ...]:
   """`beam_search` over a Transformer's translations of `inputs` [batch, src_len] (0-padded).
 
   max_length: static output length; default min(src_len + max_extra_length, config.max_len).
   Sentence i produces at most min(source_length_i + max_extra_length, max_length) tokens; an
-  all-padding row gives EOS alone. stopping, token_log_probs, prefix: see `beam_search`.
+  all-padding row gives EOS alone. min_length: the fewest tokens before EOS of a nonempty
+  source (1: never an empty translation). stopping, token_log_probs, prefix: see
+  `beam_search`.
   Returns sequences [batch, nbest, max_length] int32 and scores [batch, nbest] float32 (and
   with token_log_probs each token's log-probability [batch, nbest, max_length] float32).
   """
@@ -465,7 +497,8 @@ def transformer_beam_search(model: Transformer, params: Any, inputs: Array, *,
       model, params, inputs, beam_size, max_length, max_extra_length, beam=True)
   return beam_search(step_fn, cache, beam_size=beam_size, alpha=alpha, nbest=nbest,
                      force_full_length=force_full_length, stopping=stopping,
-                     token_log_probs=token_log_probs, prefix=prefix, **settings)
+                     token_log_probs=token_log_probs, prefix=prefix, min_length=min_length,
+                     **settings)
 
 
 def transformer_ensemble_beam_search(models: list[Transformer], params: list[Any],
@@ -474,7 +507,8 @@ def transformer_ensemble_beam_search(models: list[Transformer], params: list[Any
                                      max_length: int | None = None, max_extra_length: int = 50,
                                      nbest: int = 1, stopping: str = 'exact',
                                      token_log_probs: bool = False,
-                                     prefix: Array | None = None) -> tuple[Array, ...]:
+                                     prefix: Array | None = None,
+                                     min_length: int = 1) -> tuple[Array, ...]:
   """`beam_search` over an ensemble: the next token's log-probabilities are the weighted mean
   of the members' (default: equal weights), each member with its own cache. Members share the
   vocabulary; they may differ in size. Arguments and results as `transformer_beam_search`.
@@ -511,28 +545,30 @@ def transformer_ensemble_beam_search(models: list[Transformer], params: list[Any
   return beam_search(
       step_fn, tuple(cache for _, cache, _ in members), beam_size=beam_size, alpha=alpha,
       nbest=nbest, stopping=stopping, token_log_probs=token_log_probs, prefix=prefix,
-      reorder_cache=lambda caches, parents: tuple(
+      min_length=min_length, reorder_cache=lambda caches, parents: tuple(
           reorder(cache, parents) for reorder, cache in zip(reorders, caches)),
       **settings)
 
 
 def transformer_greedy_search(model: Transformer, params: Any, inputs: Array, *,
                               max_length: int | None = None, max_extra_length: int = 50,
-                              force_full_length: bool = False) -> tuple[Array, Array]:
+                              force_full_length: bool = False,
+                              min_length: int = 1) -> tuple[Array, Array]:
   """`greedy_search` over a Transformer; arguments as `transformer_beam_search`.
 
   Returns sequences [batch, max_length] int32 and summed log-probabilities [batch] float32.
   """
   step_fn, cache, settings = transformer_search_setup(
       model, params, inputs, 1, max_length, max_extra_length)
-  return greedy_search(step_fn, cache, force_full_length=force_full_length, **settings)
+  return greedy_search(step_fn, cache, force_full_length=force_full_length,
+                       min_length=min_length, **settings)
 
 
 def transformer_sample(model: Transformer, params: Any, inputs: Array, rng: Array, *,
                        num_samples: int = 1, temperature: float = 1.0, top_k: int = 0,
                        top_p: float = 1.0, max_length: int | None = None,
-                       max_extra_length: int = 50,
-                       force_full_length: bool = False) -> tuple[Array, Array]:
+                       max_extra_length: int = 50, force_full_length: bool = False,
+                       min_length: int = 1) -> tuple[Array, Array]:
   """`sample` over a Transformer; arguments as `sample` and `transformer_beam_search`.
 
   Returns sequences [batch, num_samples, max_length] int32 and their model log-probabilities
@@ -541,4 +577,5 @@ def transformer_sample(model: Transformer, params: Any, inputs: Array, rng: Arra
   step_fn, cache, settings = transformer_search_setup(
       model, params, inputs, num_samples, max_length, max_extra_length)
   return sample(step_fn, cache, rng, num_samples=num_samples, temperature=temperature,
-                top_k=top_k, top_p=top_p, force_full_length=force_full_length, **settings)
+                top_k=top_k, top_p=top_p, force_full_length=force_full_length,
+                min_length=min_length, **settings)

@@ -108,7 +108,8 @@ def medium():
 def test_beam_search_is_exact_with_an_exhaustive_beam():
   """Vocab 5 (3 non-EOS tokens), <= 4 output tokens: a beam of 36 keeps every prefix live,
   so the 3 best outputs must be the 3 best of all sequences ending in EOS within each
-  sentence's limit (min(source length + 1, 4) here), under the same length penalty."""
+  sentence's limit (min(source length + 1, 4) here), under the same length penalty, with
+  at least one token before the EOS (the Transformer searches' min_length 1)."""
   vocab, max_len, nbest = 5, 4, 3
   model, params = make_model(vocab, seed=4)
   source_lengths = [6, 6, 6, 6, 2, 3, 1, 6]
@@ -119,7 +120,7 @@ def test_beam_search_is_exact_with_an_exhaustive_beam():
   check_well_formed(seqs)
 
   candidates = np.array([list(prefix) + [EOS_ID] + [0] * (max_len - n)
-                         for n in range(1, max_len + 1)
+                         for n in range(2, max_len + 1)
                          for prefix in itertools.product(range(2, vocab), repeat=n - 1)])
   lengths = output_lengths(candidates)
   best_lengths = []
@@ -244,7 +245,8 @@ def test_truncated_sampling_stays_in_the_allowed_set(medium, settings):
   flat = seqs.reshape(-1, 16)
   logits = forward_logits(model, params, np.repeat(inputs, 8, 0), flat)
   probs = np.asarray(jax.nn.softmax(logits / temperature), np.float64)
-  probs[..., 0] = 0.0  # Padding is never sampled: the sampler renormalises without it.
+  probs[..., 0] = 0.0  # Padding is never sampled: the sampler renormalises without it,
+  probs[:, 0, EOS_ID] = 0.0  # nor EOS first (min_length 1).
   more_probable = probs > np.take_along_axis(probs, flat[..., None], axis=-1)
   ranks = more_probable.sum(-1)
   # Sampled tokens, except a forced EOS at the length limit (the last position).
@@ -296,7 +298,7 @@ def test_beam_search_with_vocabulary_blocks_equals_plain_top_k(monkeypatch):
   # d_model < vocab: no direction reaches EOS alone; push along its embedding instead.
   eos = np.asarray(params['embed']['embedding'][EOS_ID])
   params['decoder']['layers_1']['feed_forward_sublayer']['norm']['bias'] = jnp.asarray(
-      3.0 * eos / (eos @ eos), jnp.float32)
+      4.0 * eos / (eos @ eos), jnp.float32)
   inputs = random_sources(np.random.default_rng(2), [7, 3, 5, 1, 6, 2], 600)
   # Limits of source length + 4: some sentences also end at theirs, where only EOS is allowed.
   search = lambda: jax.jit(functools.partial(transformer_beam_search, model, beam_size=4,
@@ -315,11 +317,13 @@ def test_beam_search_with_vocabulary_blocks_equals_plain_top_k(monkeypatch):
 # The generic searches on a model that is not a Transformer, the variants, misuse.
 
 
-def brute_force_trigram(log_table, vocab, max_len, limit, alpha, nbest):
-  """Every sequence of real tokens ending in EOS within `limit`, the best `nbest` by score;
+def brute_force_trigram(log_table, vocab, max_len, limit, alpha, nbest, min_length=0):
+  """Every sequence of real tokens ending in EOS within `limit` with at least `min_length`
+  tokens before the EOS (fewer only at the limit), the best `nbest` by score;
   log_table[a, b, c] = log p(c | tokens a, b before it), with 0 before the start."""
   candidates, scores = [], []
-  for n in range(1, min(limit, max_len) + 1):
+  limit = min(limit, max_len)
+  for n in range(min(min_length + 1, limit), limit + 1):
     for prefix in itertools.product(range(2, vocab), repeat=n - 1):
       seq = list(prefix) + [EOS_ID]
       padded = [0, 0] + seq
@@ -330,15 +334,18 @@ def brute_force_trigram(log_table, vocab, max_len, limit, alpha, nbest):
   return np.array(candidates)[order], np.array(scores)[order]
 
 
-def test_generic_beam_search_with_a_trigram_model_equals_brute_force():
+@pytest.mark.parametrize('min_length', [0, 2])
+def test_generic_beam_search_with_a_trigram_model_equals_brute_force(min_length):
   """Not a Transformer: a trigram table whose cache is each hypothesis' previous token
-  ([batch, beam], reordered by the default gather along the beam axis)."""
-  vocab, max_len, nbest, batch, beam = 5, 5, 3, 3, 64
+  ([batch, beam], reordered by the default gather along the beam axis). With min_length 2
+  no output ends before its third position, but a limit of 2 still ends at the second."""
+  vocab, max_len, nbest, beam = 5, 5, 3, 64
   rng = np.random.default_rng(7)
   raw = rng.normal(size=(vocab, vocab, vocab)).astype(np.float32) * 2
   raw[..., EOS_ID] -= 1.0  # Outputs of several lengths.
   log_table = jax.nn.log_softmax(jnp.asarray(raw), axis=-1)
-  limits = np.array([5, 3, 4], np.int32)
+  limits = np.array([5, 3, 4, 2], np.int32)
+  batch = len(limits)
 
   def step_fn(tokens, step, previous):
     return log_table[previous, tokens], tokens
@@ -346,25 +353,70 @@ def test_generic_beam_search_with_a_trigram_model_equals_brute_force():
   previous = jnp.zeros((batch, beam), jnp.int32)
   seqs, scores = jax.jit(functools.partial(
       beam_search, step_fn, batch_size=batch, beam_size=beam, max_length=max_len, alpha=ALPHA,
-      nbest=nbest, length_limits=limits))(previous)
+      nbest=nbest, length_limits=limits, min_length=min_length))(previous)
   check_well_formed(seqs)
   table = np.asarray(log_table, np.float64)
   for i in range(batch):
-    want_seqs, want_scores = brute_force_trigram(table, vocab, max_len, limits[i], ALPHA, nbest)
+    want_seqs, want_scores = brute_force_trigram(table, vocab, max_len, limits[i], ALPHA, nbest,
+                                                 min_length)
     np.testing.assert_array_equal(np.asarray(seqs[i]), want_seqs)
     np.testing.assert_allclose(np.asarray(scores[i]), want_scores, rtol=1e-5, atol=1e-5)
   assert len(set(output_lengths(np.asarray(seqs)).ravel())) > 2
 
+  if min_length:
+    assert output_lengths(np.asarray(seqs))[:3].min() > min_length
+    assert (output_lengths(np.asarray(seqs))[3] == 2).all()  # Its limit.
   # Beam 1 with alpha 0 is greedy search, on the same step function.
   greedy, greedy_scores = greedy_search(step_fn, jnp.zeros((batch, 1), jnp.int32),
                                         batch_size=batch, max_length=max_len,
-                                        length_limits=limits)
+                                        length_limits=limits, min_length=min_length)
   beam1, beam1_scores = beam_search(step_fn, jnp.zeros((batch, 1), jnp.int32),
                                     batch_size=batch, beam_size=1, max_length=max_len,
-                                    alpha=0.0, length_limits=limits)
+                                    alpha=0.0, length_limits=limits, min_length=min_length)
   np.testing.assert_array_equal(np.asarray(greedy), np.asarray(beam1[:, 0]))
   np.testing.assert_allclose(np.asarray(greedy_scores), np.asarray(beam1_scores[:, 0]),
                              rtol=1e-6)
+
+
+@pytest.mark.parametrize('cpu_tuned', [False, True])
+def test_a_nonempty_source_never_gets_an_empty_translation(cpu_tuned, monkeypatch):
+  """A model whose EOS is by far the likeliest first token: every search of a Transformer
+  (min_length 1) still puts a token before it, except for an empty source (a padding row),
+  which ends at once; with min_length 0 the same searches give EOS alone."""
+  model, params = make_model(12, seed=3, scale=1.0, eos_bias=12.0, cpu_tuned=cpu_tuned)
+  inputs = random_sources(np.random.default_rng(3), [5, 2, 0, 7, 1, 4], 12)
+  searches = {
+      'beam': functools.partial(transformer_beam_search, beam_size=3, nbest=2,
+                                stopping='early'),
+      'greedy': transformer_greedy_search,
+      'sample': functools.partial(transformer_sample, rng=jax.random.key(1), num_samples=2)}
+  if cpu_tuned:
+    monkeypatch.setattr(continuous_batching, 'ENCODER_BLOCK_POSITIONS', 32)
+    rows = np.pad(inputs, ((0, 2), (0, 0)))  # Two rows of padding after the queue.
+    searches['continuous'] = lambda model, params, inputs, **kw: (
+        continuous_batching.transformer_continuous_beam_search(
+            model, params, rows, len(inputs), slots=2, refill=1, beam_size=3, nbest=2,
+            stopping='early', **kw)[0][:len(inputs)],)
+  for name, search in searches.items():
+    seqs = np.asarray(jax.jit(functools.partial(search, model))(params, inputs)[0])
+    lengths = output_lengths(seqs).reshape(len(inputs), -1)
+    empty_source = (inputs == 0).all(1)
+    assert (lengths[empty_source] == 1).all(), name
+    assert (lengths[~empty_source] >= 2).all(), (name, lengths)
+    unbounded = np.asarray(jax.jit(functools.partial(search, model, min_length=0))(
+        params, inputs)[0])
+    assert (output_lengths(unbounded).reshape(len(inputs), -1)[:, 0] == 1).all(), name
+
+
+def test_min_length_must_be_a_count_and_alpha_finite_and_not_negative():
+  """Before: alpha nan gave every sentence an empty output, without an error."""
+  step_fn = lambda tokens, step, cache: (jnp.zeros(tokens.shape + (5,)), cache)
+  for bad in (-1, 1.5, True):
+    with pytest.raises(ValueError, match='min_length must be an integer >= 0'):
+      beam_search(step_fn, None, batch_size=1, beam_size=2, max_length=4, min_length=bad)
+  for bad in (float('nan'), float('inf'), -0.5):
+    with pytest.raises(ValueError, match='alpha .* must be a finite number >= 0'):
+      beam_search(step_fn, None, batch_size=1, beam_size=2, max_length=4, alpha=bad)
 
 
 @pytest.mark.parametrize('search', ['beam', 'greedy', 'sample'])
@@ -382,7 +434,7 @@ def test_output_longer_than_the_positional_table_is_an_error(medium, search):
 @pytest.mark.parametrize('seed', [0, 1])
 def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
   inputs = medium[2]
-  model, params = make_model(20, seed=seed, scale=1.0, eos_bias=2.0, cpu_tuned=True)
+  model, params = make_model(20, seed=seed, scale=1.0, eos_bias=3.0, cpu_tuned=True)
   default = Transformer(dataclasses.replace(model.config, cpu_tuned=False))
   # max_length 40: four loop pieces on the CPU path (chunk_ends), the last a partial one.
   for fn, settings in [(transformer_beam_search, dict(beam_size=4, nbest=2, max_length=40)),
