@@ -199,6 +199,8 @@ def tree_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
 def _short(error: BaseException) -> str:
   """An exception as one short line (orbax and tensorstore errors run to many lines)."""
   text = ' '.join(str(error).split())
+  # Orbax appends "See full TensorStore details: <bound method ...>" (a method, not the text).
+  text = text.split(' See full TensorStore details:')[0]
   return f'{type(error).__name__}: {text[:200]}{"..." if len(text) > 200 else ""}'
 
 
@@ -511,6 +513,9 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
     (or, for the newest, all are).
   """
   target = _local_sharding() if target is None else target
+  if average > 0 and checkpoint is not None:
+    raise ValueError(f'give a checkpoint ({checkpoint}) or a number of checkpoints to average '
+                     f'({average}), not both.')
   if average > 0:
     params, steps = average_last(workdir, average)
     if isinstance(target, jax.sharding.Sharding):

@@ -2,7 +2,8 @@
 
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
       [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
-      [--stopping exact|early] [--output_format text|json] [--target_prefix prefixes.txt] \
+      [--stopping exact|early] [--min_length N] [--output_format text|json] \
+      [--target_prefix prefixes.txt] \
       [--checkpoint STEP | --checkpoint averaged|best|ema | --average_last N] \
       [--ensemble RUN2[:STEP|:averaged],RUN3 [--ensemble_weights 1,1,1]]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
@@ -10,7 +11,8 @@
 `-` reads stdin / writes stdout; from a pipe or a terminal each line is translated as soon as
 it arrives and its translation flushed (`python decode.py --workdir RUN --input -` is an
 interactive translator). Every input line gives exactly one output line (an empty line gives
-an empty line); with --nbest N > 1 each line holds N tab-separated translations;
+an empty line: N - 1 tabs with --nbest N); with --nbest N > 1 each line holds N tab-separated
+translations;
 --output_format json writes one JSON object per line instead (scores, pieces, per-piece
 log-probabilities of each of the nbest translations).
 Runs on whatever devices this machine has, whatever the run was trained on; with
@@ -45,10 +47,13 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
            stopping: str | None = None, checkpoint: str | None = None,
            average_last: int = 0, output_format: str = 'text',
            target_prefix: str | None = None, ensemble: str | None = None,
-           ensemble_weights: str | None = None) -> dict[str, Any] | None:
+           ensemble_weights: str | None = None,
+           min_length: int | None = None) -> dict[str, Any] | None:
   """Translates --input or --split, writes the translations, returns the scores (if any).
 
-  Input from a pipe or a terminal is translated as it arrives, each output line flushed.
+  Input from a pipe or a terminal is translated as it arrives, each output line flushed;
+  otherwise the output file is opened once every translation is done, so a failed call leaves
+  an existing file as it was.
   """
   config, tokenizer, model = translation.load_run(workdir)
   streaming = split is None and input_path == '-' and not stat.S_ISREG(
@@ -61,10 +66,13 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     references = input_pipeline.read_lines(reference) if reference else None
   if sources is not None and references is not None and len(references) != len(sources):
     raise ValueError(f'{len(sources)} source lines but {len(references)} reference lines.')
+  if target_prefix and streaming:
+    raise ValueError('--target_prefix pairs its lines with a whole input: give --input FILE, '
+                     'or redirect stdin from a file (`< FILE`), not a pipe or a terminal.')
   prefixes = input_pipeline.read_lines(target_prefix) if target_prefix else None
-  if prefixes is not None and (streaming or len(prefixes) != len(sources)):
+  if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f'--target_prefix {target_prefix} needs one line per source line ('
-                     f'{len(prefixes)} lines, {"stdin" if streaming else len(sources)} sources).')
+                     f'{len(prefixes)} lines, {len(sources)} sources).')
   mesh = sharding.make_mesh()
   params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
   weights = None
@@ -74,17 +82,19 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   translator = translation.Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size,
                                       alpha=alpha, nbest=nbest, batch_tokens=batch_tokens,
                                       stopping=stopping, details=output_format == 'json',
-                                      weights=weights)
+                                      weights=weights, min_length=min_length)
   lines = lambda sources, translations: ''.join(
       format_output(source, translation, nbest, output_format) + '\n'
       for source, translation in zip(sources, translations))
   writes = jax.process_index() == 0  # Every process holds every translation; one writes.
-  out = (sys.stdout if output == '-' else open(output, 'w', encoding='utf-8')) if writes else None
+  out = None
+  open_output = lambda: sys.stdout if output == '-' else open(output, 'w', encoding='utf-8')
   translations = []
   try:
     if streaming:
       if jax.process_count() > 1:
         raise ValueError('--distributed translates files or splits, not a stream on stdin.')
+      out = open_output()
       logging.info('Translating stdin line by line with %s (beam %d).', origin,
                    translator.beam_size)
       for chunk in input_pipeline.stream_lines(sys.stdin.fileno()):
@@ -93,14 +103,15 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
         out.flush()
         translations.extend(chunk_translations)
     else:
-      logging.info('Translating %d sentences with %s (beam %d) on %d devices.', len(sources),
-                   origin, translator.beam_size, mesh.devices.size)
+      logging.info('Translating %d sentence(s) with %s (beam %d) on %d device(s).',
+                   len(sources), origin, translator.beam_size, mesh.devices.size)
       start = time.time()
       translations = translator(params, sources, progress=True, prefixes=prefixes)
       elapsed = time.time() - start
       logging.info('Translated %d sentences in %.1f s (%.1f sentences/s).', len(sources),
                    elapsed, len(sources) / max(elapsed, 1e-9))
       if writes:
+        out = open_output()
         out.write(lines(sources, translations))
         out.flush()
   finally:
@@ -110,6 +121,9 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     return None
   if len(references) != len(translations):
     raise ValueError(f'{len(translations)} source lines but {len(references)} reference lines.')
+  if not references:
+    logging.warning('No sentences: nothing to score.')
+    return None
   if output_format == 'json':
     best = [t[0]['text'] if t else '' for t in translations]
   else:
@@ -140,10 +154,16 @@ def load_ensemble(members: str, weights: str | None, tokenizer: Any, mesh: Any, 
     models.append(member_model)
     trees.append(member_params)
     origins.append(member_origin)
-  values = [float(w) for w in weights.split(',')] if weights else [1.0] * len(models)
+  try:
+    values = [float(w) for w in weights.split(',')] if weights else [1.0] * len(models)
+  except ValueError:
+    raise ValueError(f'--ensemble_weights {weights}: give comma-separated numbers.') from None
   if len(values) != len(models):
     raise ValueError(f'--ensemble_weights has {len(values)} weights for {len(models)} models '
                      '(--workdir first, then --ensemble).')
+  if not all(0 <= w < float('inf') for w in values) or sum(values) <= 0:
+    raise ValueError(f'--ensemble_weights must be finite, non-negative and not all 0, got '
+                     f'{weights}.')
   return models, trees, 'an ensemble of ' + ', '.join(origins), values
 
 
@@ -187,6 +207,9 @@ def define_flags():
   flags.DEFINE_enum('output_format', 'text', ['text', 'json'],
                     "'json': one object per line with each of the nbest translations' score, "
                     'log-probability, pieces and per-piece log-probabilities.')
+  flags.DEFINE_integer('min_length', None, 'The fewest tokens before the end of a nonempty '
+                       "source's translation (default: the run config's, or 1: never empty).",
+                       lower_bound=0)
   flags.DEFINE_enum('stopping', None, ['exact', 'early'],
                     "When a sentence's search ends (default: the run config): 'exact' once no "
                     "live hypothesis can win, 'early' once none would by ending next step.")
@@ -204,8 +227,12 @@ def main(argv):
     sys.exit('error: --workdir is required.')
   if (FLAGS.input is None) == (FLAGS.split is None):
     sys.exit('error: give exactly one of --input FILE and --split NAME.')
+  if FLAGS.split and FLAGS.reference:
+    sys.exit('error: --split scores against its own references; --reference goes with --input.')
   if FLAGS.output != '-' and not os.path.isdir(os.path.dirname(os.path.abspath(FLAGS.output))):
     sys.exit(f'error: --output {FLAGS.output}: its folder does not exist.')
+  if FLAGS.output != '-' and os.path.isdir(FLAGS.output):
+    sys.exit(f'error: --output {FLAGS.output} is a folder; name a file in it.')
   console.quiet_libraries()
   sharding.initialize_distributed_from_flags()
   translation.use_compilation_cache(FLAGS.workdir)
@@ -217,10 +244,12 @@ def main(argv):
            nbest=FLAGS.nbest, batch_tokens=FLAGS.batch_tokens, stopping=FLAGS.stopping,
            output_format=FLAGS.output_format, target_prefix=FLAGS.target_prefix,
            ensemble=FLAGS.ensemble, ensemble_weights=FLAGS.ensemble_weights,
-           checkpoint=FLAGS.checkpoint,
-           average_last=FLAGS.average_last)
+           checkpoint=FLAGS.checkpoint, average_last=FLAGS.average_last,
+           min_length=FLAGS.min_length)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')
+  except OSError as error:  # Writing the output: a full disk, a closed pipe, no permission.
+    sys.exit(f'error: {error.filename or FLAGS.output}: {error.strerror or error}')
 
 
 def exit_without_teardown() -> None:

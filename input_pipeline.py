@@ -23,6 +23,7 @@ Process 0 alone trains the tokenizer and prepares TFDS data; the other processes
 
 from __future__ import annotations
 
+import codecs
 import concurrent.futures
 import dataclasses
 import functools
@@ -72,11 +73,14 @@ class MissingDataError(DataError, FileNotFoundError):
 
 
 def read_lines(path: str | os.PathLike) -> list[str]:
-  """Lines of a UTF-8 text file ('-': stdin) without line endings; errors name file and line."""
+  """Lines of a UTF-8 text file, pipe or process substitution ('-': stdin) without line
+  endings or a leading byte-order mark; errors name file and line."""
   path = os.fspath(path)
   if path == '-':
     path, data = 'stdin', sys.stdin.buffer.read()
-  elif not os.path.isfile(path):
+  elif os.path.isdir(path):
+    raise MissingDataError(f'{path}: is a folder, not a text file.')
+  elif not os.path.exists(path):
     raise MissingDataError(f'{path}: file not found.')
   else:
     with open(path, 'rb') as f:
@@ -88,7 +92,10 @@ def read_lines(path: str | os.PathLike) -> list[str]:
 
 
 def _text_lines(lines: list[bytes], name: str, first_line: int) -> list[str]:
-  """UTF-8 lines without line endings; an error names the file and the line."""
+  """UTF-8 lines without line endings, the first line of a file (first_line 1) without a
+  byte-order mark (Windows editors write one); an error names the file and the line."""
+  if first_line == 1 and lines:
+    lines = [lines[0].removeprefix(codecs.BOM_UTF8)] + lines[1:]
   try:
     return [line.decode('utf-8').rstrip('\r') for line in lines]
   except UnicodeDecodeError as e:
@@ -1204,8 +1211,8 @@ def truncate(seqs: Sequence[np.ndarray], max_length: int, name: str) -> list[np.
   seqs = list(seqs)
   long = [i for i, x in enumerate(seqs) if len(x) > max_length]
   if long:
-    logging.warning('Truncating %d %s sequences longer than %d tokens (indices %s...).',
-                    len(long), name, max_length, long[:10])
+    logging.warning('%s: truncating %d sequence(s) longer than %d tokens (indices %s%s).',
+                    name, len(long), max_length, long[:10], ' ...' if len(long) > 10 else '')
   for i in long:
     seqs[i] = np.append(np.asarray(seqs[i][:max_length - 1]), EOS_ID)
   return seqs
@@ -1247,10 +1254,12 @@ def length_batches(sides: dict[str, Sequence[np.ndarray]], max_batch_tokens: int
     if groups and padded_rows(len(groups[-1]) + 1) * padded[i] <= max_batch_tokens:
       groups[-1].append(i)
     else:
-      if padded[i] > max_batch_tokens:
-        logging.warning('Sequence %d (%d tokens) exceeds max_batch_tokens=%d; alone.',
-                        i, longest[i], max_batch_tokens)
       groups.append([i])
+  over = sorted(i for i in range(count) if padded[i] > max_batch_tokens)
+  if over:
+    logging.warning('%d sequence(s) exceed max_batch_tokens=%d (the longest %d tokens): each '
+                    'gets a batch of its own (indices %s%s).', len(over), max_batch_tokens,
+                    max(longest[i] for i in over), over[:10], ' ...' if len(over) > 10 else '')
   batches = []
   for group in groups:
     rows = padded_rows(len(group))

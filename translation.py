@@ -42,7 +42,7 @@ from model import (
     upgrade_params,
 )
 from model.continuous_batching import transformer_continuous_beam_search
-from model.decoding import STOPPING_RULES
+from model.decoding import STOPPING_RULES, check_alpha
 
 # config.json of runs written before the config had groups: old key -> (group, key).
 _LEGACY_KEYS = {
@@ -94,7 +94,11 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
   if not os.path.isfile(path):
     raise FileNotFoundError(f'{path} not found: --workdir must be a training workdir.')
   with open(path, encoding='utf-8') as f:
-    return upgrade_config(json.load(f))
+    try:
+      saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+      raise ValueError(f'{path} is not a valid config ({error}).') from None
+  return upgrade_config(saved)
 
 
 def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, input_pipeline.Tokenizer,
@@ -208,7 +212,8 @@ class Translator:
                decode_config: ml_collections.ConfigDict, mesh: Mesh, *,
                beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
                batch_tokens: int | None = None, stopping: str | None = None,
-               details: bool = False, weights: list[float] | None = None):
+               details: bool = False, weights: list[float] | None = None,
+               min_length: int | None = None):
     # A list of models is an ensemble: call with a list of their parameters.
     self.models = list(model) if isinstance(model, list | tuple) else None
     model = self.models[0] if self.models else model
@@ -220,6 +225,7 @@ class Translator:
     self._pieces = tokenizer.pieces()
     self.beam_size = beam_size or decode_config.beam_size
     self.alpha = decode_config.alpha if alpha is None else alpha
+    check_alpha(self.alpha)
     if not 1 <= self.beam_size <= model.config.vocab_size:
       raise ValueError(f'beam_size must be between 1 and the vocabulary size '
                        f'{model.config.vocab_size}, got {self.beam_size}.')
@@ -233,13 +239,19 @@ class Translator:
     if self.stopping not in STOPPING_RULES:
       raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {self.stopping!r}.')
     self.max_length = min(decode_config.max_length, model.config.max_len)
+    # Runs configured before `min_length` existed get today's default: no empty translations.
+    self.min_length = decode_config.get('min_length', 1) if min_length is None else min_length
+    if not 0 <= self.min_length < self.max_length:
+      raise ValueError(f'min_length must be between 0 and {self.max_length - 1} (the output '
+                       f'length limit less the end token), got {self.min_length}.')
     self.compiles = 0  # Programs built, traced or loaded (once per batch or queue shape).
     self._rows = sharding.rows(mesh)
 
     def search(params, inputs, prefix=None, *, max_length):
       settings = dict(beam_size=self.beam_size, alpha=self.alpha, max_length=max_length,
                       max_extra_length=self.max_extra_length, nbest=nbest,
-                      stopping=self.stopping, token_log_probs=details, prefix=prefix)
+                      stopping=self.stopping, token_log_probs=details, prefix=prefix,
+                      min_length=self.min_length)
       if self.models:
         return transformer_ensemble_beam_search(self.models, params, inputs, weights=weights,
                                                 **settings)
@@ -249,14 +261,16 @@ class Translator:
                            out_shardings=sharding.replicated(mesh))
     # What the searches are traced from besides their arguments (see `_compile`).
     self._settings = repr((self.beam_size, self.alpha, self.max_extra_length, nbest,
-                           self.stopping, details, weights, CONTINUOUS_SLOTS, CONTINUOUS_REFILL,
+                           self.stopping, self.min_length, details, weights,
+                           CONTINUOUS_SLOTS, CONTINUOUS_REFILL,
                            [m.config for m in self.models or [model]]))
 
     def continuous_search(params, queue, count, *, max_length):
       return transformer_continuous_beam_search(
           model, params, queue, count, slots=CONTINUOUS_SLOTS, refill=CONTINUOUS_REFILL,
           beam_size=self.beam_size, alpha=self.alpha, max_length=max_length,
-          max_extra_length=self.max_extra_length, nbest=nbest, stopping=self.stopping)
+          max_extra_length=self.max_extra_length, nbest=nbest, stopping=self.stopping,
+          min_length=self.min_length)
 
     self._continuous_search = jax.jit(continuous_search, static_argnames='max_length')
     self._continuous = (not self.models and not details and mesh.devices.size == 1 and
@@ -375,7 +389,8 @@ class Translator:
     for an empty source): text, score (length-penalised, as the search ranks), log_prob,
     tokens (the pieces, EOS included) and token_log_probs (summing to log_prob).
     `prefixes` (aligned with `sources`, '' for none) start the translations: each is decoded
-    as given, then continued by the search, and kept verbatim in the text.
+    as given, then continued by the search, and kept verbatim in the text. A prefix is forced
+    as the tokenizer splits it: a partly typed last word stays as typed (not completed).
     """
     if prefixes is not None and len(prefixes) != len(sources):
       raise ValueError(f'{len(sources)} sources but {len(prefixes)} target prefixes.')
@@ -383,8 +398,12 @@ class Translator:
     outputs: list[Any] = [[] if self.details else [''] * self.nbest for _ in sources]
     nonempty = [i for i, text in enumerate(sources) if text.strip()]
     sides = {'inputs': [token_ids[i] for i in nonempty]}
-    if prefixes is not None:  # Without the EOS the tokenizer adds.
-      sides['prefix'] = [x[:-1] for x in self.tokenizer.encode([prefixes[i] for i in nonempty])]
+    if prefixes is not None:
+      # Without the EOS the tokenizer adds, and without trailing spaces (a typed "Ein Mann "
+      # ends a word; the next word's piece brings its own space) that would be forced as a
+      # piece of their own.
+      sides['prefix'] = [x[:-1] for x in self.tokenizer.encode(
+          [prefixes[i].rstrip() for i in nonempty])]
     jobs = self._jobs(params, sides, prefixes is not None)
     start, done = time.time(), 0
     logged = start

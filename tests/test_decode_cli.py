@@ -53,7 +53,7 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
   assert len(hypotheses) == len(lines)
   assert hypotheses[3] == ''
   stderr = result.stderr.decode()
-  assert 'Truncating 1' in stderr
+  assert 'truncating 1 sequence(s)' in stderr
   expected = sacrebleu.corpus_bleu(hypotheses, [refs]).score
   printed = [line for line in stderr.splitlines() if line.startswith('BLEU ')][0]
   assert float(printed.split()[1]) == pytest.approx(expected, abs=0.01)
@@ -205,6 +205,12 @@ def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
   translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
   params, _ = translation.load_params(workdir, translator.mesh)
   assert lines[1] == translator(params, [sources[1]])[0]  # No prefix: unchanged.
+  # A trailing space (typed after a word) is not forced as a piece of its own.
+  detailed = translation.Translator(model, tokenizer, config.decode, translator.mesh,
+                                    details=True)
+  spaced, plain = (detailed(params, sources[:1], prefixes=[p])[0][0]
+                   for p in ('Ein Hund ', 'Ein Hund'))
+  assert spaced['tokens'] == plain['tokens'] and spaced['text'].startswith('Ein Hund ')
   (tmp_path / 'short.txt').write_text('Ein Hund\n', encoding='utf-8')
   result = run_decode('--workdir', workdir, '--input', str(tmp_path / 'src.txt'),
                       '--target_prefix', str(tmp_path / 'short.txt'))
@@ -244,3 +250,44 @@ def test_an_ensemble_member_with_another_tokenizer_is_refused(workdir, tmp_path)
   params, origin = translation.load_params(workdir, mesh)
   with pytest.raises(ValueError, match='has another tokenizer'):
     decode.load_ensemble(str(other), None, tokenizer, mesh, model, params, origin)
+
+
+@pytest.mark.parametrize('flags, message', [
+    (('--split', 'val', '--reference', 'ref.txt'), '--reference goes with --input'),
+    (('--input', '-', '--output', '.'), 'is a folder'),
+    (('--input', '-', '--alpha', 'nan'), 'must be a finite number >= 0'),
+    (('--input', '-', '--alpha', '-1'), 'must be a finite number >= 0'),
+    (('--input', '-', '--checkpoint', '12', '--average_last', '2'), 'not both'),
+    (('--input', '-', '--ensemble', 'WORKDIR:8', '--ensemble_weights', 'a,b'),
+     'comma-separated numbers'),
+    (('--input', '-', '--target_prefix', 'prefix.txt'), 'not a pipe'),
+    (('--input', '-', '--min_length', '500'), 'min_length must be between 0 and')])
+def test_conflicting_or_invalid_decode_flags_are_one_line_errors(workdir, tmp_path, flags,
+                                                                 message):
+  """Before: --checkpoint with --average_last and --split with --reference silently ignored
+  one of them; --alpha nan gave empty translations with exit status 0."""
+  (tmp_path / 'prefix.txt').write_text('Ein\n', encoding='utf-8')
+  flags = [f.replace('WORKDIR', workdir) for f in flags]
+  result = subprocess.run([sys.executable, os.path.join(REPO, 'decode.py'), '--workdir', workdir,
+                           *flags], cwd=tmp_path, input=b'A dog.\n', capture_output=True,
+                          timeout=600)
+  stderr = result.stderr.decode()
+  assert result.returncode == 1 and message in stderr and 'Traceback' not in stderr, stderr
+
+
+def test_a_failed_call_leaves_an_existing_output_file_as_it_was(workdir, tmp_path):
+  """Before: the output was opened (emptied) before the ensemble weights were checked."""
+  source, output = tmp_path / 'src.txt', tmp_path / 'hyp.txt'
+  source.write_text('A dog.\n', encoding='utf-8')
+  output.write_text('precious\n', encoding='utf-8')
+  result = run_decode('--workdir', workdir, '--input', str(source), '--output', str(output),
+                      '--ensemble', f'{workdir}:8', '--ensemble_weights', '0,0')
+  assert result.returncode == 1 and 'not all 0' in result.stderr.decode()
+  assert output.read_text(encoding='utf-8') == 'precious\n'
+  empty = tmp_path / 'empty.txt'
+  empty.write_text('', encoding='utf-8')
+  result = run_decode('--workdir', workdir, '--input', str(empty), '--reference', str(empty),
+                      '--output', str(output))
+  stderr = result.stderr.decode()
+  assert result.returncode == 0 and 'nothing to score' in stderr and 'Traceback' not in stderr
+  assert output.read_text(encoding='utf-8') == ''

@@ -3,6 +3,7 @@
 Tests that need the Multi30k files are skipped when they are absent.
 """
 
+import codecs
 import collections
 import dataclasses
 import gzip
@@ -552,6 +553,32 @@ def test_read_lines_from_stdin(monkeypatch):
   monkeypatch.setattr(sys, 'stdin', Stdin('x\nG\xfcnter\n'.encode('latin-1')))
   with pytest.raises(ip.DataError, match=r'stdin:2: invalid UTF-8'):
     ip.read_lines('-')
+
+
+def test_read_lines_drops_a_byte_order_mark_and_reads_pipes(tmp_path):
+  """A BOM (Windows editors write one) used to stay in the first line and change its
+  translation; a pipe or process substitution (/dev/fd/N) was 'file not found'."""
+  path = tmp_path / 'bom.txt'
+  path.write_bytes(codecs.BOM_UTF8 + 'A dog.\n\ufeffkept\n'.encode())
+  assert ip.read_lines(path) == ['A dog.', '\ufeffkept']  # Only the file's first character.
+  read_end, write_end = os.pipe()
+  os.write(write_end, codecs.BOM_UTF8 + b'one\ntwo\n')
+  os.close(write_end)
+  try:
+    assert ip.read_lines(f'/dev/fd/{read_end}') == ['one', 'two']
+  finally:
+    os.close(read_end)
+  read_end, write_end = os.pipe()
+  os.write(write_end, codecs.BOM_UTF8 + b'streamed\n')
+  os.close(write_end)
+  try:
+    assert list(ip.stream_lines(read_end)) == [['streamed']]
+  finally:
+    os.close(read_end)
+  with pytest.raises(ip.MissingDataError, match='is a folder'):
+    ip.read_lines(tmp_path)
+  with pytest.raises(ip.MissingDataError, match='file not found'):
+    ip.read_lines(tmp_path / 'missing.txt')
 
 
 def _seq(rng, n: int) -> np.ndarray:
