@@ -8,7 +8,8 @@
 --format jax: a `jax.export` translator (encoder + beam search, the parameters passed as
 arguments, a symbolic batch dimension, one program per source-length bucket; for the CPU also
 a continuous batching search per bucket) with its parameters and tokenizer; `serving.py`,
-copied into the folder, translates with it using only jax, numpy and sentencepiece.
+copied into the folder, translates with it using only jax, numpy, sentencepiece and flatbuffers
+(`pip install jax numpy sentencepiece flatbuffers` wherever the folder goes).
 --format ctranslate2: a CTranslate2 model folder (`pip install -e '.[ctranslate2]'`).
 """
 
@@ -63,7 +64,7 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   per bucket (`continuous_{length}.jax`: the parameters, sources [queue, length] int32 one
   sentence per row, how many to decode; outputs [queue, 1, max_length] and [queue, 1]).
   Next to them: tokenizer.model, translator.json (buckets, queue sizes and search settings)
-  and serving.py, which translates with only jax, numpy and sentencepiece. `platform`
+  and serving.py, which translates with only jax, numpy, sentencepiece and flatbuffers. `platform`
   ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the CPU-tuned
   decoding.
   """
@@ -248,7 +249,8 @@ def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: st
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config, tokenizer, checkpoints).')
   flags.DEFINE_string('output', None, 'Folder to write the exported model into.')
-  flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to.')
+  flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to (jax: serving.py in the folder '
+                    'needs jax, numpy, sentencepiece and flatbuffers).')
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema', or the newest "
                       'if unset.')
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)

@@ -1,5 +1,8 @@
-"""Translates with a folder written by `export.py --format jax`, using only jax, numpy and
-sentencepiece (no Flax, TensorFlow or code of the training project): copy the folder anywhere.
+"""Translates with a folder written by `export.py --format jax`, using only jax, numpy,
+sentencepiece and flatbuffers (which jax.export needs to read the programs; no Flax, TensorFlow
+or code of the training project): copy the folder anywhere.
+
+  pip install jax numpy sentencepiece flatbuffers
 
   python serving.py --model EXPORTED_DIR < input.txt > output.txt
   python serving.py --model EXPORTED_DIR          # interactive: one line in, one line out
@@ -53,6 +56,11 @@ class ExportedTranslator:
   """
 
   def __init__(self, folder: str):
+    try:  # jax.export.deserialize needs it: fail here, not at the first translation.
+      import flatbuffers  # noqa: F401
+    except ImportError:
+      raise ImportError('serving.py needs the flatbuffers package to read the exported '
+                        'programs: pip install flatbuffers') from None
     with open(os.path.join(folder, 'translator.json'), encoding='utf-8') as f:
       self.manifest = json.load(f)
     self.buckets = list(self.manifest['buckets'])
@@ -181,7 +189,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     sys.exit(f'error: {args.model} is not a folder written by export.py --format jax.')
   if not jax.config.jax_compilation_cache_dir:  # Later runs load the compiled programs.
     jax.config.update('jax_compilation_cache_dir', os.path.join(args.model, 'compilation_cache'))
-  translator = ExportedTranslator(args.model)
+  try:
+    translator = ExportedTranslator(args.model)
+  except ImportError as error:
+    sys.exit(f'error: {error}')
   if args.http is not None:
     server = make_http_server(translator, args.host, args.http)
     print(f'Serving http://{args.host}:{server.server_port}/translate', file=sys.stderr,

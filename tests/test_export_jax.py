@@ -1,5 +1,5 @@
 """export.py --format jax and serving.py: the exported translator translates as decode.py does,
-with only jax, numpy and sentencepiece importable."""
+with only jax, numpy, sentencepiece and flatbuffers importable."""
 
 import json
 import os
@@ -13,16 +13,20 @@ import sharding
 import translation
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Run serving.py with everything but jax, numpy, sentencepiece and the standard library
-# unimportable: Flax, TensorFlow, and every module of this project.
+# Run serving.py with everything but jax, numpy, sentencepiece, flatbuffers and the standard
+# library unimportable: Flax, TensorFlow, and every module of this project.
 BLOCKED = ('flax', 'tensorflow', 'tensorflow_datasets', 'optax', 'orbax', 'ml_collections',
            'absl', 'sacrebleu', 'model', 'translation', 'input_pipeline', 'checkpoints',
            'sharding', 'console', 'decode', 'train', 'export', 'configs')
-ISOLATED = f"""
+
+
+def isolated(blocked: tuple[str, ...] = BLOCKED) -> str:
+  """A `python -c` program: runs FOLDER/serving.py (argv[1]) with `blocked` unimportable."""
+  return f"""
 import runpy, sys
 class Block:
   def find_spec(self, name, path=None, target=None):
-    if name.split('.')[0] in {BLOCKED!r}:
+    if name.split('.')[0] in {blocked!r}:
       raise ImportError('serving.py may not import ' + name)
 sys.meta_path.insert(0, Block())
 sys.path = [p for p in sys.path if p not in ('', {REPO!r})]
@@ -30,6 +34,9 @@ folder = sys.argv.pop(1)
 sys.path.insert(0, folder)
 runpy.run_path(folder + '/serving.py', run_name='__main__')
 """
+
+
+ISOLATED = isolated()
 
 
 @pytest.fixture(scope='module')
@@ -98,6 +105,28 @@ def test_exported_continuous_batching_equals_decode(tiny_run, exported, monkeypa
     assert queues == [len(lines) - 1]  # The empty line is not decoded.
   finally:
     sys.path.remove(exported)
+
+
+def serve(exported, *args, blocked=BLOCKED, **kwargs) -> subprocess.CompletedProcess:
+  """serving.py of `exported` run with `args` (after --model) and `blocked` unimportable."""
+  return subprocess.run([sys.executable, '-c', isolated(blocked), exported, '--model', exported,
+                         *args], capture_output=True, timeout=600, **kwargs)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+  """The process failed with a one-line `error: ...` (holding `fragments`), no traceback."""
+  stderr = result.stderr.decode()
+  assert result.returncode != 0 and 'Traceback' not in stderr, stderr
+  last = stderr.strip().splitlines()[-1]
+  assert last.startswith('error: ') and all(f in last for f in fragments), stderr
+
+
+def test_serving_without_flatbuffers_says_to_install_it(exported, tmp_path):
+  (tmp_path / 'src.txt').write_text('A dog.\n', encoding='utf-8')
+  result = serve(exported, '--input', str(tmp_path / 'src.txt'),
+                 blocked=BLOCKED + ('flatbuffers',))
+  assert_one_line_error(result, 'pip install flatbuffers')
+  assert result.stdout == b''
 
 
 def test_export_errors_are_one_line(tmp_path):
