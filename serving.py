@@ -1,4 +1,4 @@
-"""Translates with a folder written by `export.py --format jax`, using only jax, numpy,
+r"""Translates with a folder written by `export.py --format jax`, using only jax, numpy,
 sentencepiece and flatbuffers (which jax.export needs to read the programs; no Flax, TensorFlow
 or code of the training project): copy the folder anywhere.
 
@@ -12,8 +12,10 @@ or code of the training project): copy the folder anywhere.
   translator = ExportedTranslator('EXPORTED_DIR')
   translator.translate(['A dog runs in the snow.'])
 
-Every input line gives exactly one output line (an empty line gives an empty line). Sources
-longer than the largest bucket are cut to it with a warning on stderr. Over HTTP, a JSON body
+Every input line gives exactly one output line (an empty line gives an empty line): as in
+decode.py, lines end at '\n' only (a '\r' before it is dropped, and a UTF-8 BOM at the start of
+the input), and input that is not UTF-8 is an error naming its line. Sources longer than the
+largest bucket are cut to it with a warning on stderr. Over HTTP, a JSON body
 {"text": ["sentence", ...]} (or one string) gets {"translations": [...]} in the same order; the
 server answers one request at a time (standard library only).
 """
@@ -21,6 +23,7 @@ server answers one request at a time (standard library only).
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import stat
@@ -44,6 +47,36 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict:
       node = node.setdefault(parent, {})
     node[leaf] = value
   return tree
+
+
+def _text_lines(lines: list[bytes], name: str, first_line: int) -> list[str]:
+  r"""UTF-8 `lines` (the first is line `first_line` of `name`) without a trailing '\r' (of
+  '\r\n'), as decode.py reads them; a UTF-8 BOM at the start of the input is dropped. Invalid
+  UTF-8 raises a ValueError naming the file and the line."""
+  if first_line == 1 and lines and lines[0].startswith(codecs.BOM_UTF8):
+    lines = [lines[0][len(codecs.BOM_UTF8):], *lines[1:]]
+  texts = []
+  for number, line in enumerate(lines, first_line):
+    try:
+      texts.append(line.decode('utf-8').rstrip('\r'))
+    except UnicodeDecodeError as e:
+      raise ValueError(f'{name}:{number}: invalid UTF-8 ({e.reason}); convert the file to UTF-8, '
+                       'e.g. `iconv -f LATIN1 -t UTF-8`.') from None
+  return texts
+
+
+def read_lines(path: str) -> list[str]:
+  r"""Lines of a UTF-8 file ('-': stdin), split at '\n' only: a lone '\r' inside a line stays
+  in it (text-mode reading would split there and shift every later line)."""
+  if path == '-':
+    name, data = 'stdin', sys.stdin.buffer.read()
+  else:
+    with open(path, 'rb') as f:
+      name, data = path, f.read()
+  lines = data.split(b'\n')
+  if lines[-1] == b'':
+    lines.pop()  # The newline that ends the last line.
+  return _text_lines(lines, name, 1)
 
 
 class ExportedTranslator:
@@ -187,6 +220,14 @@ def main(argv: Sequence[str] | None = None) -> None:
   args = parser.parse_args(argv)
   if not os.path.isfile(os.path.join(args.model, 'translator.json')):
     sys.exit(f'error: {args.model} is not a folder written by export.py --format jax.')
+  streaming = args.http is None and args.input == '-' and not stat.S_ISREG(
+      os.fstat(sys.stdin.fileno()).st_mode)  # A pipe or a terminal: each line as it arrives.
+  lines = None
+  if args.http is None and not streaming:
+    try:  # Before loading the model: bad input fails at once.
+      lines = read_lines(args.input)
+    except ValueError as error:
+      sys.exit(f'error: {error}')
   if not jax.config.jax_compilation_cache_dir:  # Later runs load the compiled programs.
     jax.config.update('jax_compilation_cache_dir', os.path.join(args.model, 'compilation_cache'))
   try:
@@ -203,13 +244,11 @@ def main(argv: Sequence[str] | None = None) -> None:
       pass
     return
   out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
-  if args.input == '-' and not stat.S_ISREG(os.fstat(sys.stdin.fileno()).st_mode):
-    for line in sys.stdin:  # A pipe or a terminal: each line as it arrives.
+  if streaming:
+    for line in sys.stdin:
       out.write(output_line(translator.translate([line.rstrip('\r\n')])[0]) + '\n')
       out.flush()
   else:
-    with open(sys.stdin.fileno() if args.input == '-' else args.input, encoding='utf-8') as f:
-      lines = [line.rstrip('\r\n') for line in f]
     out.writelines(output_line(t) + '\n' for t in translator.translate(lines))
   if out is not sys.stdout:
     out.close()

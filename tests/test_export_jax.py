@@ -1,6 +1,7 @@
 """export.py --format jax and serving.py: the exported translator translates as decode.py does,
 with only jax, numpy, sentencepiece and flatbuffers importable."""
 
+import codecs
 import json
 import os
 import subprocess
@@ -127,6 +128,42 @@ def test_serving_without_flatbuffers_says_to_install_it(exported, tmp_path):
                  blocked=BLOCKED + ('flatbuffers',))
   assert_one_line_error(result, 'pip install flatbuffers')
   assert result.stdout == b''
+
+
+@pytest.fixture(scope='module')
+def translator(exported):
+  """The exported folder's own ExportedTranslator, loaded once."""
+  sys.path.insert(0, exported)
+  try:
+    import serving
+    return serving.ExportedTranslator(exported)
+  finally:
+    sys.path.remove(exported)
+
+
+def test_serving_splits_lines_at_newlines_only(exported, translator, tmp_path):
+  """A lone '\r' stays inside its line (text-mode reading split there and shifted every later
+  output line); '\r\n' ends a line, a UTF-8 BOM at the start is dropped, a last line without
+  '\n' counts. From a file and from a redirected stdin."""
+  data = codecs.BOM_UTF8 + b'A dog\rruns.\r\nTwo men sit.\n\nA girl in red.'
+  (tmp_path / 'src.txt').write_bytes(data)
+  expected = translator.translate(['A dog\rruns.', 'Two men sit.', '', 'A girl in red.'])
+  assert expected[1:] == translator.translate(['Two men sit.', '', 'A girl in red.'])
+  result = serve(exported, '--input', str(tmp_path / 'src.txt'))
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert result.stdout.decode().split('\n') == expected + ['']
+  with open(tmp_path / 'src.txt', 'rb') as stdin:
+    result = serve(exported, stdin=stdin)
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  assert result.stdout.decode().split('\n') == expected + ['']
+
+
+def test_serving_names_the_line_of_invalid_utf8(exported, tmp_path):
+  (tmp_path / 'src.txt').write_bytes(b'A dog runs.\nCaf\xe9 au lait.\n')
+  assert_one_line_error(serve(exported, '--input', str(tmp_path / 'src.txt')),
+                        f'{tmp_path / "src.txt"}:2: invalid UTF-8')
+  with open(tmp_path / 'src.txt', 'rb') as stdin:
+    assert_one_line_error(serve(exported, stdin=stdin), 'stdin:2: invalid UTF-8')
 
 
 def test_export_errors_are_one_line(tmp_path):
