@@ -6,6 +6,7 @@ or code of the training project): copy the folder anywhere.
 
   python serving.py --model EXPORTED_DIR < input.txt > output.txt
   python serving.py --model EXPORTED_DIR          # interactive: one line in, one line out
+  some_command | python serving.py --model EXPORTED_DIR   # the lines that have arrived together
   python serving.py --model EXPORTED_DIR --http 8080   # POST /translate {"text": [...]}
 
   from serving import ExportedTranslator
@@ -26,9 +27,10 @@ import argparse
 import codecs
 import json
 import os
+import select
 import stat
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import jax
@@ -77,6 +79,33 @@ def read_lines(path: str) -> list[str]:
   if lines[-1] == b'':
     lines.pop()  # The newline that ends the last line.
   return _text_lines(lines, name, 1)
+
+
+def stream_lines(fd: int, max_lines: int = 1024, name: str = 'stdin') -> Iterator[list[str]]:
+  """Lines of a pipe or terminal as they arrive, in chunks translated together.
+
+  Each chunk holds at least one line: it waits for the first, then takes the complete lines
+  already readable without waiting (at most `max_lines`), so a line typed alone is answered at
+  once and a pipe full of lines is translated in batches. A last line without a newline counts.
+  Lines and errors as `read_lines`.
+  """
+  pending, line_number, ended = b'', 1, False
+  while not ended:
+    lines: list[bytes] = []
+    while len(lines) < max_lines:
+      if lines and not select.select([fd], [], [], 0)[0]:
+        break  # Nothing more right now: translate what has arrived.
+      data = os.read(fd, 1 << 16)
+      if not data:
+        ended = True
+        if pending:
+          lines.append(pending)
+        break
+      *complete, pending = (pending + data).split(b'\n')
+      lines.extend(complete)
+    if lines:
+      yield _text_lines(lines, name, line_number)
+      line_number += len(lines)
 
 
 class ExportedTranslator:
@@ -138,8 +167,8 @@ class ExportedTranslator:
         outputs[i] = self._text(sequences[row, 0])
       start += size
 
-  def translate(self, sources: Sequence[str]) -> list[str]:
-    """Translations of `sources`, in their order."""
+  def translate(self, sources: Sequence[str], first_line: int = 1) -> list[str]:
+    """Translations of `sources`, in their order; warnings call sources[0] line `first_line`."""
     ids = self._sp.encode([s for s in sources], out_type=int, add_eos=True)
     outputs = [''] * len(sources)
     by_bucket: dict[int, list[int]] = {}
@@ -148,7 +177,7 @@ class ExportedTranslator:
       if not text.strip():
         continue
       if len(tokens) > longest:
-        print(f'warning: line {i + 1} has {len(tokens)} tokens; cut to {longest}.',
+        print(f'warning: line {first_line + i} has {len(tokens)} tokens; cut to {longest}.',
               file=sys.stderr)
         ids[i] = tokens[:longest - 1] + [self.eos_id]
       bucket = next(b for b in self.buckets if b >= len(ids[i]))
@@ -245,9 +274,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     return
   out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
   if streaming:
-    for line in sys.stdin:
-      out.write(output_line(translator.translate([line.rstrip('\r\n')])[0]) + '\n')
-      out.flush()
+    line_number = 1
+    try:
+      for chunk in stream_lines(sys.stdin.fileno()):
+        out.writelines(output_line(t) + '\n' for t in translator.translate(chunk, line_number))
+        out.flush()
+        line_number += len(chunk)
+    except ValueError as error:  # Invalid UTF-8: the lines before it are translated.
+      sys.exit(f'error: {error}')
   else:
     out.writelines(output_line(t) + '\n' for t in translator.translate(lines))
   if out is not sys.stdout:

@@ -4,8 +4,10 @@ with only jax, numpy, sentencepiece and flatbuffers importable."""
 import codecs
 import json
 import os
+import select
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -131,14 +133,20 @@ def test_serving_without_flatbuffers_says_to_install_it(exported, tmp_path):
 
 
 @pytest.fixture(scope='module')
-def translator(exported):
-  """The exported folder's own ExportedTranslator, loaded once."""
+def serving_module(exported):
+  """The exported folder's serving.py, imported."""
   sys.path.insert(0, exported)
   try:
     import serving
-    return serving.ExportedTranslator(exported)
+    return serving
   finally:
     sys.path.remove(exported)
+
+
+@pytest.fixture(scope='module')
+def translator(serving_module, exported):
+  """The exported folder's ExportedTranslator, loaded once."""
+  return serving_module.ExportedTranslator(exported)
 
 
 def test_serving_splits_lines_at_newlines_only(exported, translator, tmp_path):
@@ -164,6 +172,71 @@ def test_serving_names_the_line_of_invalid_utf8(exported, tmp_path):
                         f'{tmp_path / "src.txt"}:2: invalid UTF-8')
   with open(tmp_path / 'src.txt', 'rb') as stdin:
     assert_one_line_error(serve(exported, stdin=stdin), 'stdin:2: invalid UTF-8')
+
+
+def test_stream_lines_takes_the_lines_already_arrived(serving_module):
+  """A pipe's lines come in chunks: the first line waited for, then every complete line already
+  readable; split at '\n' only, BOM dropped, invalid UTF-8 named by its line."""
+  read_fd, write_fd = os.pipe()
+  try:
+    stream = serving_module.stream_lines(read_fd)
+    os.write(write_fd, codecs.BOM_UTF8 + b'One.\nTwo\rtwo.\r\nThree.\nFou')
+    assert next(stream) == ['One.', 'Two\rtwo.', 'Three.']
+    os.write(write_fd, b'r.\n')
+    assert next(stream) == ['Four.']
+    os.write(write_fd, b'\xef\xbb\xbfFive.\nCaf\xe9.\n')  # A BOM only starts the input.
+    with pytest.raises(ValueError, match=r'^stdin:6: invalid UTF-8'):
+      next(stream)
+  finally:
+    os.close(write_fd)
+    os.close(read_fd)
+  read_fd, write_fd = os.pipe()
+  os.write(write_fd, b'Last line without a newline')
+  os.close(write_fd)
+  assert list(serving_module.stream_lines(read_fd)) == [['Last line without a newline']]
+  os.close(read_fd)
+
+
+def read_output_lines(fd: int, count: int, timeout: float = 300) -> list[str]:
+  """The next `count` lines a process writes to the pipe `fd`, waiting at most `timeout`."""
+  data, deadline = b'', time.monotonic() + timeout
+  while data.count(b'\n') < count:
+    ready = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]
+    assert ready, f'no output after {timeout} s; got {data!r}'
+    chunk = os.read(fd, 1 << 16)
+    assert chunk, f'the output ended; got {data!r}'
+    data += chunk
+  assert data.count(b'\n') == count, data
+  return data.decode().split('\n')[:-1]
+
+
+def test_serving_answers_each_line_of_a_pipe_at_once(exported, translator):
+  """Interactive use through a real pipe: each line's translation comes before the next line
+  is written, and several lines written at once all come back (stream_lines, tested above,
+  takes them as one chunk); invalid UTF-8 ends the run with a one-line error naming its line,
+  after the lines before it."""
+  lines = sources()[:4]
+  expected = translator.translate(lines)
+  process = subprocess.Popen([sys.executable, '-c', ISOLATED, exported, '--model', exported],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE)
+  try:
+    for line, translation in zip(lines[:2], expected[:2]):
+      process.stdin.write(line.encode() + b'\n')
+      process.stdin.flush()
+      assert read_output_lines(process.stdout.fileno(), 1) == [translation]
+    process.stdin.write(''.join(line + '\n' for line in lines[2:]).encode())
+    process.stdin.flush()
+    assert read_output_lines(process.stdout.fileno(), 2) == expected[2:]
+    process.stdin.write(b'Caf\xe9.\n')
+    process.stdin.close()
+    assert process.wait(timeout=300) != 0
+    stderr = process.stderr.read().decode()
+  finally:
+    process.kill()
+    process.wait()
+  assert 'Traceback' not in stderr, stderr
+  assert stderr.strip().splitlines()[-1].startswith('error: stdin:5: invalid UTF-8'), stderr
 
 
 def test_export_errors_are_one_line(tmp_path):
