@@ -130,6 +130,19 @@ class ExportedTranslator:
     self.batch_tokens = self.manifest['batch_tokens']
     # Continuous batching programs (folders exported for the CPU): their slots and queue sizes.
     self.continuous = self.manifest.get('continuous') or {}
+    # The programs run only on the platform they were exported for: refuse here, not at the
+    # first translation.
+    exported_for, platform = self.manifest['platform'], jax.export.default_export_platform()
+    if exported_for != platform:
+      raise ValueError(f'{folder} was exported for {exported_for} and jax here runs on '
+                       f'{platform}: export it with `export.py --format jax --platform '
+                       f'{platform}`, or translate on a {exported_for} machine.')
+    files = ['tokenizer.model', 'params.npz'] + [f'translator_{b}.jax' for b in self.buckets]
+    files += [f'continuous_{b}.jax' for b in self.continuous.get('sizes', {})]
+    missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
+    if missing:
+      raise FileNotFoundError(f'{folder} lacks {", ".join(missing)}: copy the whole folder '
+                              'written by export.py --format jax.')
     self._sp = spm.SentencePieceProcessor(model_file=os.path.join(folder, 'tokenizer.model'))
     with np.load(os.path.join(folder, 'params.npz')) as arrays:
       self._params = jax.device_put(_unflatten({k: arrays[k] for k in arrays.files}))
@@ -247,24 +260,39 @@ def main(argv: Sequence[str] | None = None) -> None:
                       help='serve POST /translate on this port instead (0: a free one)')
   parser.add_argument('--host', default='127.0.0.1', help='--http: the address to listen on')
   args = parser.parse_args(argv)
+  # Argument errors before loading the model, each one line.
   if not os.path.isfile(os.path.join(args.model, 'translator.json')):
     sys.exit(f'error: {args.model} is not a folder written by export.py --format jax.')
+  if args.http is not None and not 0 <= args.http <= 65535:
+    sys.exit(f'error: --http {args.http}: a port is a number from 0 to 65535.')
+  if args.http is None and args.input != '-' and not os.path.isfile(args.input):
+    sys.exit(f'error: --input {args.input}: '
+             + ('a folder, not a file.' if os.path.isdir(args.input) else 'no such file.'))
+  if args.http is None and args.output != '-':
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if os.path.isdir(args.output):
+      sys.exit(f'error: --output {args.output}: a folder, not a file.')
+    if not os.path.isdir(folder):
+      sys.exit(f'error: --output {args.output}: the folder {folder} does not exist.')
   streaming = args.http is None and args.input == '-' and not stat.S_ISREG(
       os.fstat(sys.stdin.fileno()).st_mode)  # A pipe or a terminal: each line as it arrives.
   lines = None
   if args.http is None and not streaming:
     try:  # Before loading the model: bad input fails at once.
       lines = read_lines(args.input)
-    except ValueError as error:
+    except (OSError, ValueError) as error:
       sys.exit(f'error: {error}')
   if not jax.config.jax_compilation_cache_dir:  # Later runs load the compiled programs.
     jax.config.update('jax_compilation_cache_dir', os.path.join(args.model, 'compilation_cache'))
   try:
     translator = ExportedTranslator(args.model)
-  except ImportError as error:
+  except (ImportError, OSError, ValueError) as error:
     sys.exit(f'error: {error}')
   if args.http is not None:
-    server = make_http_server(translator, args.host, args.http)
+    try:
+      server = make_http_server(translator, args.host, args.http)
+    except OSError as error:  # The port is taken, or the address is not this machine's.
+      sys.exit(f'error: cannot serve on {args.host}:{args.http}: {error.strerror or error}.')
     print(f'Serving http://{args.host}:{server.server_port}/translate', file=sys.stderr,
           flush=True)
     try:
@@ -272,7 +300,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
       pass
     return
-  out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
+  try:
+    out = sys.stdout if args.output == '-' else open(args.output, 'w', encoding='utf-8')
+  except OSError as error:
+    sys.exit(f'error: {error}')
   if streaming:
     line_number = 1
     try:

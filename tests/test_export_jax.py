@@ -5,6 +5,7 @@ import codecs
 import json
 import os
 import select
+import socket
 import subprocess
 import sys
 import time
@@ -110,9 +111,10 @@ def test_exported_continuous_batching_equals_decode(tiny_run, exported, monkeypa
     sys.path.remove(exported)
 
 
-def serve(exported, *args, blocked=BLOCKED, **kwargs) -> subprocess.CompletedProcess:
-  """serving.py of `exported` run with `args` (after --model) and `blocked` unimportable."""
-  return subprocess.run([sys.executable, '-c', isolated(blocked), exported, '--model', exported,
+def serve(model, *args, blocked=BLOCKED, **kwargs) -> subprocess.CompletedProcess:
+  """serving.py of the folder `model` run with `args` (after --model) and `blocked`
+  unimportable."""
+  return subprocess.run([sys.executable, '-c', isolated(blocked), model, '--model', model,
                          *args], capture_output=True, timeout=600, **kwargs)
 
 
@@ -237,6 +239,57 @@ def test_serving_answers_each_line_of_a_pipe_at_once(exported, translator):
     process.wait()
   assert 'Traceback' not in stderr, stderr
   assert stderr.strip().splitlines()[-1].startswith('error: stdin:5: invalid UTF-8'), stderr
+
+
+def model_variant(exported, folder, drop: tuple[str, ...] = (), **manifest) -> str:
+  """`folder`: the exported files linked, but for `drop`; translator.json updated by
+  `manifest`."""
+  os.makedirs(folder)
+  for name in os.listdir(exported):
+    if name not in drop and name != 'translator.json' and os.path.isfile(f'{exported}/{name}'):
+      os.symlink(os.path.join(exported, name), os.path.join(folder, name))
+  with open(os.path.join(exported, 'translator.json'), encoding='utf-8') as f:
+    saved = json.load(f)
+  with open(os.path.join(folder, 'translator.json'), 'w', encoding='utf-8') as f:
+    json.dump({**saved, **manifest}, f)
+  return str(folder)
+
+
+def test_serving_argument_and_model_errors_are_one_line(exported, serving_module, tmp_path):
+  """Each a one-line `error: ...` with exit status 1, before anything is translated; the
+  command line runs in-process here (its exit message is what the user sees)."""
+  source = tmp_path / 'src.txt'
+  source.write_text('A dog.\n', encoding='utf-8')
+  taken = socket.socket()
+  taken.bind(('127.0.0.1', 0))
+  taken.listen()
+  port = taken.getsockname()[1]
+  no_params = model_variant(exported, tmp_path / 'no_params', drop=('params.npz',))
+  no_program = model_variant(exported, tmp_path / 'no_program', drop=('translator_16.jax',))
+  tpu = model_variant(exported, tmp_path / 'tpu', platform='tpu')
+  cases = [
+      ([exported, '--input', str(tmp_path / 'missing.txt')], 'missing.txt: no such file'),
+      ([exported, '--input', str(tmp_path)], 'a folder, not a file'),
+      ([exported, '--input', str(source), '--output', str(tmp_path / 'no' / 'out.txt')],
+       f'the folder {tmp_path / "no"} does not exist'),
+      ([exported, '--http', '70000'], '--http 70000: a port is a number from 0 to 65535'),
+      ([exported, '--http', str(port)], f'cannot serve on 127.0.0.1:{port}: Address already'),
+      ([no_params, '--input', str(source)], 'lacks params.npz'),
+      ([no_program, '--input', str(source)], 'lacks translator_16.jax'),
+      ([tpu, '--input', str(source)], 'was exported for tpu and jax here runs on cpu'),
+  ]
+  try:
+    for args, fragment in cases:
+      with pytest.raises(SystemExit) as exit_info:
+        serving_module.main(['--model', *args])
+      message = exit_info.value.code
+      assert isinstance(message, str) and message.startswith('error: '), (args, message)
+      assert fragment in message and '\n' not in message, (args, message)
+  finally:
+    taken.close()
+  with pytest.raises(ValueError, match='was exported for tpu'):
+    serving_module.ExportedTranslator(tpu)
+  assert_one_line_error(serve(tpu, '--input', str(source)), 'exported for tpu', '--platform cpu')
 
 
 def test_export_errors_are_one_line(tmp_path):
