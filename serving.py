@@ -18,7 +18,8 @@ decode.py, lines end at '\n' only (a '\r' before it is dropped, and a UTF-8 BOM 
 the input), and input that is not UTF-8 is an error naming its line. Sources longer than the
 largest bucket are cut to it with a warning on stderr. Over HTTP, a JSON body
 {"text": ["sentence", ...]} (or one string) gets {"translations": [...]} in the same order; the
-server answers one request at a time (standard library only).
+server (standard library only) reads each connection in a thread and translates one request at a
+time; bodies over MAX_BODY_BYTES (10 MB) get 413, errors a JSON {"error": ...}.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ import os
 import select
 import stat
 import sys
+import threading
 from collections.abc import Iterator, Sequence
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import sentencepiece as spm
+
+MAX_BODY_BYTES = 10 * 1024 * 1024  # The largest POST body the server reads (413 beyond it).
+READ_TIMEOUT_SECONDS = 60.0  # How long the server waits for a client's next bytes.
 
 
 def _unflatten(flat: dict[str, np.ndarray]) -> dict:
@@ -222,33 +227,78 @@ def output_line(translation: str) -> str:
 
 
 def make_http_server(translator: ExportedTranslator, host: str, port: int) -> HTTPServer:
-  """An HTTP server (call serve_forever) answering POST /translate; port 0 picks a free one."""
+  """An HTTP server (call serve_forever) answering POST /translate; port 0 picks a free one.
+
+  Each connection has its own thread (a slow client holds up no other) and translations run
+  one at a time. Errors are JSON {"error": ...}: 400 for a body that is not {"text": [...]}
+  of Unicode strings, 404 for another path, 405 for another method, 408 for a body that does
+  not arrive within READ_TIMEOUT_SECONDS, 413 for one over MAX_BODY_BYTES.
+  """
+  lock = threading.Lock()  # One translation at a time: the programs use every core.
 
   class Handler(BaseHTTPRequestHandler):
+    timeout = READ_TIMEOUT_SECONDS  # Socket reads: a client that stops sending is let go.
+
     def do_POST(self):  # noqa: N802 (http.server's name)
       if self.path.rstrip('/') != '/translate':
         return self.reply(404, {'error': 'POST to /translate'})
       try:
-        text = json.loads(self.rfile.read(int(self.headers.get('Content-Length') or 0)))['text']
+        length = int(self.headers.get('Content-Length') or 0)
+      except ValueError:
+        length = -1
+      if length > MAX_BODY_BYTES:
+        self.close_connection = True  # Its body stays unread.
+        return self.reply(413, {'error': f'the body has {length} bytes; at most '
+                                         f'{MAX_BODY_BYTES} are read.'})
+      try:
+        body = self.rfile.read(max(length, 0))
+      except TimeoutError:
+        self.close_connection = True
+        return self.reply(408, {'error': f'the body did not arrive within {self.timeout} s.'})
+      if len(body) < length:  # The client left before sending its body: no one to answer.
+        self.close_connection = True
+        return
+      try:
+        if length < 0:
+          raise ValueError
+        text = json.loads(body)['text']
         text = [text] if isinstance(text, str) else text
         if not isinstance(text, list) or not all(isinstance(t, str) for t in text):
           raise TypeError
+        for t in text:
+          t.encode('utf-8')  # A lone surrogate ("\ud800") is no text to translate.
+      except UnicodeEncodeError:
+        return self.reply(400, {'error': 'the text holds a lone surrogate (such as \\ud800): '
+                                         'send Unicode text'})
       except (ValueError, KeyError, TypeError):
         return self.reply(400, {'error': 'expected a JSON body {"text": ["sentence", ...]}'})
-      self.reply(200, {'translations': [output_line(t) for t in translator.translate(text)]})
+      with lock:
+        translations = translator.translate(text)
+      self.reply(200, {'translations': [output_line(t) for t in translations]})
 
-    def reply(self, status: int, body: dict) -> None:
+    def do_GET(self):  # noqa: N802 (http.server's name)
+      if self.path.rstrip('/') != '/translate':
+        return self.reply(404, {'error': 'POST to /translate'})
+      self.close_connection = True  # A body it may have stays unread.
+      self.reply(405, {'error': f'{self.command} is not allowed: POST to /translate'},
+                 Allow='POST')
+
+    do_PUT = do_DELETE = do_PATCH = do_GET
+
+    def reply(self, status: int, body: dict, **headers: str) -> None:
       data = json.dumps(body, ensure_ascii=False).encode('utf-8')
       self.send_response(status)
       self.send_header('Content-Type', 'application/json; charset=utf-8')
       self.send_header('Content-Length', str(len(data)))
+      for name, value in headers.items():
+        self.send_header(name, value)
       self.end_headers()
       self.wfile.write(data)
 
     def log_message(self, format, *args):  # noqa: A002 (http.server's signature)
       sys.stderr.write(f'{self.address_string()} {format % args}\n')
 
-  return HTTPServer((host, port), Handler)
+  return ThreadingHTTPServer((host, port), Handler)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

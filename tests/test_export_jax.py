@@ -2,13 +2,17 @@
 with only jax, numpy, sentencepiece and flatbuffers importable."""
 
 import codecs
+import http.client
 import json
 import os
 import select
 import socket
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -302,41 +306,71 @@ def test_export_errors_are_one_line(tmp_path):
   assert stderr.strip().splitlines()[-1].startswith('error: '), stderr
 
 
-def test_http_endpoint_translates_json_lists(exported):
-  import json
-  import threading
-  import urllib.error
-  import urllib.request
-
-  sys.path.insert(0, exported)
-  try:
-    import serving
-    translator = serving.ExportedTranslator(exported)
-  finally:
-    sys.path.remove(exported)
+def test_http_endpoint_translates_json_lists(serving_module, translator):
+  """Translations in the request's order; bad requests get JSON errors and the server keeps
+  serving: a slow client holds up no other (and is let go after the read timeout), a huge
+  Content-Length gets 413, a lone surrogate 400, a method other than POST 405."""
   lines = sources()[:3]
-  server = serving.make_http_server(translator, '127.0.0.1', 0)
+  server = serving_module.make_http_server(translator, '127.0.0.1', 0)
   thread = threading.Thread(target=server.serve_forever, daemon=True)
   thread.start()
   url = f'http://127.0.0.1:{server.server_port}'
 
-  def post(path, body):
-    request = urllib.request.Request(url + path, data=body, method='POST')
+  def request(path, body=None, method='POST'):
+    """(status, JSON body, headers) of a request."""
+    request = urllib.request.Request(url + path, data=body, method=method)
     try:
-      with urllib.request.urlopen(request, timeout=300) as response:
-        return response.status, json.loads(response.read())
+      with urllib.request.urlopen(request, timeout=120) as response:
+        return response.status, json.loads(response.read()), response.headers
     except urllib.error.HTTPError as error:
-      return error.code, json.loads(error.read())
+      return error.code, json.loads(error.read()), error.headers
 
+  def post(path, body):
+    return request(path, body)[:2]
+
+  def slow_client() -> socket.socket:
+    """A connection that announces a 1000-byte body, sends 15 bytes and waits."""
+    client = socket.create_connection(('127.0.0.1', server.server_port), timeout=120)
+    client.sendall(b'POST /translate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n'
+                   b'{"text": ["A do')
+    return client
+
+  good = json.dumps({'text': lines}).encode()
+  expected = (200, {'translations': translator.translate(lines)})
   try:
-    assert post('/translate', json.dumps({'text': lines}).encode()) == (
-        200, {'translations': translator.translate(lines)})
+    assert post('/translate', good) == expected
     assert post('/translate', json.dumps({'text': lines[0]}).encode()) == (
         200, {'translations': translator.translate(lines[:1])})
     for bad in (b'not json', b'{"q": "x"}', b'{"text": [1, 2]}'):
       status, body = post('/translate', bad)
       assert status == 400 and 'expected a JSON body' in body['error']
     assert post('/other', b'{}')[0] == 404
+    status, body = post('/translate', b'{"text": ["A dog \\ud800 runs."]}')
+    assert status == 400 and 'lone surrogate' in body['error'], body
+    for method in ('GET', 'PUT', 'DELETE'):
+      status, body, headers = request('/translate', None if method == 'GET' else b'{}', method)
+      assert (status, headers['Allow']) == (405, 'POST') and 'POST' in body['error'], body
+    connection = http.client.HTTPConnection('127.0.0.1', server.server_port, timeout=120)
+    connection.putrequest('POST', '/translate')
+    connection.putheader('Content-Length', str(10**12))
+    connection.endheaders()
+    response = connection.getresponse()
+    assert response.status == 413, response.status
+    assert str(serving_module.MAX_BODY_BYTES) in json.loads(response.read())['error']
+    connection.close()
+    stalled = slow_client()
+    try:
+      assert post('/translate', good) == expected  # Not held up by the stalled client.
+    finally:
+      stalled.close()
+    server.RequestHandlerClass.timeout = 1
+    stalled = slow_client()
+    try:
+      reply = b''.join(iter(lambda: stalled.recv(1 << 16), b'')).decode()  # Until it closes.
+      assert reply.startswith('HTTP/1.0 408') and '"error"' in reply, reply
+    finally:
+      stalled.close()
+    assert post('/translate', good) == expected
   finally:
     server.shutdown()
     server.server_close()
