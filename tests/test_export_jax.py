@@ -297,13 +297,23 @@ def test_serving_argument_and_model_errors_are_one_line(exported, serving_module
 
 
 def test_export_errors_are_one_line(tmp_path):
+  """A run that is none, and an --output that is a file, a non-empty folder (without
+  --overwrite), or a folder holding the run (with it): one line each, nothing removed."""
   (tmp_path / 'run').mkdir()
-  result = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'),
-                           '--format', 'jax', '--output', str(tmp_path / 'out')], cwd=REPO,
-                          capture_output=True, timeout=300)
-  stderr = result.stderr.decode()
-  assert result.returncode == 1 and 'Traceback' not in stderr, stderr
-  assert stderr.strip().splitlines()[-1].startswith('error: '), stderr
+  (tmp_path / 'file').write_text('x')
+  (tmp_path / 'full').mkdir()
+  (tmp_path / 'full' / 'model.bin').write_text('x')
+  for output, extra, fragment in (
+      (tmp_path / 'out', [], ''), (tmp_path / 'file', [], 'is a file'),
+      (tmp_path / 'full', [], 'is not empty'), (tmp_path, ['--overwrite'], 'holds the run')):
+    result = subprocess.run([sys.executable, 'export.py', '--workdir', str(tmp_path / 'run'),
+                             '--format', 'jax', '--output', str(output), *extra], cwd=REPO,
+                            capture_output=True, timeout=300)
+    stderr = result.stderr.decode()
+    assert result.returncode == 1 and 'Traceback' not in stderr, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith('error: ') and fragment in last, stderr
+  assert (tmp_path / 'full' / 'model.bin').exists() and (tmp_path / 'run').is_dir()
 
 
 def test_http_endpoint_translates_json_lists(serving_module, translator):
