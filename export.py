@@ -5,10 +5,13 @@
   python export.py --workdir runs/multi30k --format ctranslate2 --output runs/multi30k/ct2 \
       [--quantization int8]
 
+--output must be new or empty; --overwrite replaces a folder's contents (it is removed first).
+
 --format jax: a `jax.export` translator (encoder + beam search, the parameters passed as
 arguments, a symbolic batch dimension, one program per source-length bucket; for the CPU also
 a continuous batching search per bucket) with its parameters and tokenizer; `serving.py`,
-copied into the folder, translates with it using only jax, numpy and sentencepiece.
+copied into the folder, translates with it using only jax, numpy, sentencepiece and flatbuffers
+(`pip install jax numpy sentencepiece flatbuffers` wherever the folder goes).
 --format ctranslate2: a CTranslate2 model folder (`pip install -e '.[ctranslate2]'`).
 """
 
@@ -63,7 +66,7 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   per bucket (`continuous_{length}.jax`: the parameters, sources [queue, length] int32 one
   sentence per row, how many to decode; outputs [queue, 1, max_length] and [queue, 1]).
   Next to them: tokenizer.model, translator.json (buckets, queue sizes and search settings)
-  and serving.py, which translates with only jax, numpy and sentencepiece. `platform`
+  and serving.py, which translates with only jax, numpy, sentencepiece and flatbuffers. `platform`
   ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the CPU-tuned
   decoding.
   """
@@ -225,19 +228,32 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
 
 def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: str | None = None,
            average_last: int = 0, quantization: str | None = None,
-           platform: str = 'cpu') -> str:
+           platform: str = 'cpu', overwrite: bool = False) -> str:
   """Exports the run's parameters (newest checkpoint, a step, 'averaged' or the last N averaged)
-  in `format`; returns where they came from."""
+  in `format` into output_dir, new or empty (`overwrite`: its contents are replaced); returns
+  where the parameters came from."""
   if format not in FORMATS:
     raise ValueError(f'--format must be one of {FORMATS}, got {format!r}.')
   if quantization and format != 'ctranslate2':
     raise ValueError('--quantization applies to --format ctranslate2 only.')
+  if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+    raise ValueError(f'--output {output_dir} is a file: name a folder.')
+  replace = os.path.isdir(output_dir) and bool(os.listdir(output_dir))
+  if replace and not overwrite:  # Writing into it would mix two models' files.
+    raise ValueError(f'--output {output_dir} is not empty: name a new folder, or pass '
+                     '--overwrite to replace its contents.')
+  output, run = os.path.realpath(output_dir), os.path.realpath(workdir)
+  if replace and os.path.commonpath([output, run]) == output:
+    raise ValueError(f'--output {output_dir} holds the run {workdir}: --overwrite would delete '
+                     'it; name another folder.')
   if translation.load_config(workdir).model.get('architecture', 'transformer') != 'transformer':
     raise ValueError(f'{workdir} holds an RNN: export.py exports Transformers (decode.py '
                      'translates with the RNN).')
   mesh = sharding.make_mesh(devices=jax.local_devices()[:1])
   params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
   params = jax.device_get(params)
+  if replace:  # Only now that the parameters loaded: a failed export keeps the old folder.
+    shutil.rmtree(output_dir)
   os.makedirs(output_dir, exist_ok=True)
   if format == 'jax':
     export_jax(workdir, params, output_dir, platform)
@@ -248,8 +264,10 @@ def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: st
 
 def define_flags():
   flags.DEFINE_string('workdir', None, 'Training workdir (config, tokenizer, checkpoints).')
-  flags.DEFINE_string('output', None, 'Folder to write the exported model into.')
-  flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to.')
+  flags.DEFINE_string('output', None, 'Folder to write the exported model into (new or empty).')
+  flags.DEFINE_bool('overwrite', False, 'Replace the contents of a non-empty --output folder.')
+  flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to (jax: serving.py in the folder '
+                    'needs jax, numpy, sentencepiece and flatbuffers).')
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema', or the newest "
                       'if unset.')
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
@@ -268,8 +286,9 @@ def main(argv):
   try:
     origin = export(FLAGS.workdir, FLAGS.output, format=FLAGS.format,
                     checkpoint=FLAGS.checkpoint, average_last=FLAGS.average_last,
-                    quantization=FLAGS.quantization, platform=FLAGS.platform)
-  except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
+                    quantization=FLAGS.quantization, platform=FLAGS.platform,
+                    overwrite=FLAGS.overwrite)
+  except (OSError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')
   logging.info('Exported %s as %s to %s.', origin, FLAGS.format, FLAGS.output)
 

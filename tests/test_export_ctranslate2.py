@@ -112,11 +112,19 @@ def test_beam_search_translations_equal_ours(copy_model):
 
 
 def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(tiny_run, tmp_path):
+  """Into a folder holding a jax export: refused, then with --overwrite only CTranslate2's
+  files are left (the two kinds of model are not mixed)."""
   folder = tmp_path / 'int8'
-  result = subprocess.run(
-      [sys.executable, 'export.py', '--workdir', tiny_run, '--format', 'ctranslate2',
-       '--quantization', 'int8', '--output', str(folder)], cwd=REPO, capture_output=True,
-      timeout=300)
+  folder.mkdir()
+  for name in ('translator.json', 'translator_8.jax', 'params.npz', 'serving.py'):
+    (folder / name).write_text('x')
+  command = [sys.executable, 'export.py', '--workdir', tiny_run, '--format', 'ctranslate2',
+             '--quantization', 'int8', '--output', str(folder)]
+  result = subprocess.run(command, cwd=REPO, capture_output=True, timeout=300)
+  stderr = result.stderr.decode()
+  assert result.returncode == 1 and 'Traceback' not in stderr, stderr
+  assert stderr.strip().splitlines()[-1].startswith('error: ') and '--overwrite' in stderr
+  result = subprocess.run(command + ['--overwrite'], cwd=REPO, capture_output=True, timeout=300)
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   assert sorted(os.listdir(folder)) == ['config.json', 'model.bin', 'shared_vocabulary.json',
                                         'tokenizer.model']
