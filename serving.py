@@ -56,6 +56,10 @@ def _unflatten(flat: dict[str, np.ndarray]) -> dict:
   return tree
 
 
+# Input lines follow input_pipeline.read_lines/stream_lines (decode.py's), repeated here because
+# this file runs without the project's code; tests/test_input_pipeline.py holds them equal.
+
+
 def _text_lines(lines: list[bytes], name: str, first_line: int) -> list[str]:
   r"""UTF-8 `lines` (the first is line `first_line` of `name`) without a trailing '\r' (of
   '\r\n'), as decode.py reads them; a UTF-8 BOM at the start of the input is dropped. Invalid
