@@ -37,12 +37,19 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def xla_flags(devices: int) -> str:
+  """This process's XLA_FLAGS (tests/conftest.py's) with `devices` CPU devices instead."""
+  flags = [f for f in os.environ.get('XLA_FLAGS', '').split()
+           if not f.startswith('--xla_force_host_platform_device_count')]
+  return ' '.join([f'--xla_force_host_platform_device_count={devices}', *flags])
+
+
 def process_env(devices: int, extra: dict[str, str] | None = None) -> dict[str, str]:
   """This process's environment with `devices` CPU devices and no inherited cluster settings."""
   env = {k: v for k, v in os.environ.items()
-         if not k.startswith(('SLURM_', 'JAX_COORDINATOR')) and k != 'XLA_FLAGS'}
-  env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             TRANSFORMER_KEEP_MALLOC='1', PYTHONUNBUFFERED='1', **(extra or {}))
+         if not k.startswith(('SLURM_', 'JAX_COORDINATOR'))}
+  env.update(XLA_FLAGS=xla_flags(devices), TRANSFORMER_KEEP_MALLOC='1', PYTHONUNBUFFERED='1',
+             **(extra or {}))
   return env
 
 

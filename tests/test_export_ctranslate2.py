@@ -104,9 +104,17 @@ def test_beam_search_translations_equal_ours(copy_model):
   ours = [[pieces[t] for t in row[:list(row).index(EOS_ID)]]
           for row in np.asarray(sequences)[:, 0]]
   sources = [[pieces[t] for t in row if t > EOS_ID] for row in inputs]
+  limit = 20
   results = ctranslate2.Translator(folder, intra_threads=1).translate_batch(
-      sources, beam_size=4, length_penalty=0.0, max_decoding_length=20)
-  assert [result.hypotheses[0] for result in results] == ours
+      sources, beam_size=4, length_penalty=0.0, max_decoding_length=limit)
+  theirs = [result.hypotheses[0] for result in results]
+  # Where CTranslate2's best hypothesis reached max_decoding_length it is returned cut, without
+  # an end, and ranked by its score so far; ours must end within a longer limit. Such a model
+  # repeating itself is rare here; every other sentence gets the same translation.
+  cut = [i for i, hypothesis in enumerate(theirs) if len(hypothesis) == limit]
+  assert len(cut) <= 2, [theirs[i] for i in cut]
+  assert ([x for i, x in enumerate(theirs) if i not in cut] ==
+          [x for i, x in enumerate(ours) if i not in cut])
   copied = sum(out == src for out, src in zip(ours, sources))
   assert len({len(x) for x in ours}) >= 4 and 0 < copied < len(ours), copied
 

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import cluster_launcher
 import jax
 import pytest
 
@@ -41,9 +42,8 @@ def config_for(steps: int):
 
 def run(script: str, *args: str, devices: int) -> str:
   """A project script in a fresh process that has `devices` CPU devices."""
-  env = {k: v for k, v in os.environ.items() if k != 'XLA_FLAGS'}
-  env.update(XLA_FLAGS=f'--xla_force_host_platform_device_count={devices}',
-             TRANSFORMER_KEEP_MALLOC='1')
+  env = {**os.environ, 'XLA_FLAGS': cluster_launcher.xla_flags(devices),
+         'TRANSFORMER_KEEP_MALLOC': '1'}
   result = subprocess.run([sys.executable, script, *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stderr[-3000:]
