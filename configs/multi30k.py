@@ -6,7 +6,7 @@
   python decode.py --workdir runs/multi30k --split test_2016_flickr --checkpoint averaged
 
 A post-LN Transformer (d_model 256, 3+3 layers, 7.6M parameters) that reaches about 37 BLEU on
-test_2016_flickr in 2,000 steps (a 12-minute command on 2 CPU cores), and about 38 with
+test_2016_flickr in 2,000 steps (a 12-minute command on 2 Zen 4 cores), and about 38 with
 `configs/multi30k.py:full` (9,500 steps, dropout 0.3, within 60 training minutes there);
 BENCHMARKS.md has the measured runs. French instead of German: `--config.data.target_lang=fr`.
 """
