@@ -7,7 +7,7 @@ import tempfile
 
 # Multi-device tests run on fake CPU devices; this must happen before `import jax` anywhere.
 # The tests' programs are tiny and each is compiled for a few calls, so XLA's compile time is
-# most of the suite's: LLVM at optimization level 0 compiles them in about half the time.
+# most of the suite's: LLVM at optimization level 0 compiles them faster (BENCHMARKS.md).
 # XLA's graph passes are the same; results may differ from the default level's in rounding,
 # which every comparison here allows for (`decode.py`, `train.py` and the benchmarks keep
 # XLA's default level). The processes the tests start inherit the flags.
