@@ -32,11 +32,9 @@ from typing import Any
 import jax
 from absl import app, flags, logging
 
-import checkpoints
-import console
 import input_pipeline
-import sharding
-import translation
+from nmt import checkpoints, runs, scoring, sharding, startup, text_io
+from nmt.translator import Translator
 
 FLAGS = flags.FLAGS
 
@@ -55,34 +53,34 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   otherwise the output file is opened once every translation is done, so a failed call leaves
   an existing file as it was.
   """
-  config, tokenizer, model = translation.load_run(workdir)
+  config, tokenizer, model = runs.load_run(workdir)
   streaming = split is None and input_path == '-' and not stat.S_ISREG(
       os.fstat(sys.stdin.fileno()).st_mode)
   if split:
     sources, references = input_pipeline.read_split(
         config, split, process_index=jax.process_index(), process_count=jax.process_count())
   else:
-    sources = None if streaming else input_pipeline.read_lines(input_path)
-    references = input_pipeline.read_lines(reference) if reference else None
+    sources = None if streaming else text_io.read_lines(input_path)
+    references = text_io.read_lines(reference) if reference else None
   if sources is not None and references is not None and len(references) != len(sources):
     raise ValueError(f'{len(sources)} source lines but {len(references)} reference lines.')
   if target_prefix and streaming:
     raise ValueError('--target_prefix pairs its lines with a whole input: give --input FILE, '
                      'or redirect stdin from a file (`< FILE`), not a pipe or a terminal.')
-  prefixes = input_pipeline.read_lines(target_prefix) if target_prefix else None
+  prefixes = text_io.read_lines(target_prefix) if target_prefix else None
   if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f'--target_prefix {target_prefix} needs one line per source line ('
                      f'{len(prefixes)} lines, {len(sources)} sources).')
   mesh = sharding.make_mesh()
-  params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
+  params, origin = runs.load_params(workdir, mesh, checkpoint, average_last)
   weights = None
   if ensemble:
-    model, params, origin, weights = load_ensemble(ensemble, ensemble_weights, tokenizer, mesh,
+    model, params, origin, weights = runs.load_ensemble(ensemble, ensemble_weights, tokenizer, mesh,
                                                    model, params, origin)
-  translator = translation.Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size,
-                                      alpha=alpha, nbest=nbest, batch_tokens=batch_tokens,
-                                      stopping=stopping, details=output_format == 'json',
-                                      weights=weights, min_length=min_length)
+  translator = Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size, alpha=alpha,
+                          nbest=nbest, batch_tokens=batch_tokens, stopping=stopping,
+                          details=output_format == 'json', weights=weights,
+                          min_length=min_length)
   lines = lambda sources, translations: ''.join(
       format_output(source, translation, nbest, output_format) + '\n'
       for source, translation in zip(sources, translations))
@@ -97,7 +95,7 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
       out = open_output()
       logging.info('Translating stdin line by line with %s (beam %d).', origin,
                    translator.beam_size)
-      for chunk in input_pipeline.stream_lines(sys.stdin.fileno()):
+      for chunk in text_io.stream_lines(sys.stdin.fileno()):
         chunk_translations = translator(params, chunk)
         out.write(lines(chunk, chunk_translations))
         out.flush()
@@ -128,43 +126,12 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     best = [t[0]['text'] if t else '' for t in translations]
   else:
     best = translations if nbest == 1 else [t[0] for t in translations]
-  scores = translation.score(best, references)
+  scores = scoring.score(best, references)
   if writes:
     print(f"BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})\n"
           f"BLEU (lowercase) {scores['bleu_lowercase']:.2f}\n"
           f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})", file=sys.stderr)
   return scores
-
-
-def load_ensemble(members: str, weights: str | None, tokenizer: Any, mesh: Any, model: Any,
-                  params: Any, origin: str) -> tuple[list, list, str, list[float]]:
-  """The --workdir model followed by each of `members` ('RUN', 'RUN:STEP', 'RUN:averaged',
-  'RUN:best' or 'RUN:ema', comma-separated), their parameters, where they came from and their
-  weights."""
-  models, trees, origins = [model], [params], [origin]
-  for member in filter(None, (m.strip() for m in members.split(','))):
-    run, _, checkpoint = member.rpartition(':')
-    if not run or not (checkpoint.isdigit() or checkpoint in checkpoints.NAMED_CHECKPOINTS):
-      run, checkpoint = member, None
-    _, member_tokenizer, member_model = translation.load_run(run)
-    if member_tokenizer.fingerprint != tokenizer.fingerprint:
-      raise ValueError(f'--ensemble member {run} has another tokenizer than --workdir: an '
-                       'ensemble needs one vocabulary.')
-    member_params, member_origin = translation.load_params(run, mesh, checkpoint)
-    models.append(member_model)
-    trees.append(member_params)
-    origins.append(member_origin)
-  try:
-    values = [float(w) for w in weights.split(',')] if weights else [1.0] * len(models)
-  except ValueError:
-    raise ValueError(f'--ensemble_weights {weights}: give comma-separated numbers.') from None
-  if len(values) != len(models):
-    raise ValueError(f'--ensemble_weights has {len(values)} weights for {len(models)} models '
-                     '(--workdir first, then --ensemble).')
-  if not all(0 <= w < float('inf') for w in values) or sum(values) <= 0:
-    raise ValueError(f'--ensemble_weights must be finite, non-negative and not all 0, got '
-                     f'{weights}.')
-  return models, trees, 'an ensemble of ' + ', '.join(origins), values
 
 
 def format_output(source: str, translation: Any, nbest: int, output_format: str) -> str:
@@ -216,7 +183,7 @@ def define_flags():
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best' (by the validation "
                       "metric), 'ema' (the newest moving average), or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
-  sharding.define_distributed_flags()
+  startup.define_distributed_flags()
 
 
 def main(argv):
@@ -233,11 +200,7 @@ def main(argv):
     sys.exit(f'error: --output {FLAGS.output}: its folder does not exist.')
   if FLAGS.output != '-' and os.path.isdir(FLAGS.output):
     sys.exit(f'error: --output {FLAGS.output} is a folder; name a file in it.')
-  console.quiet_libraries()
-  sharding.initialize_distributed_from_flags()
-  translation.use_compilation_cache(FLAGS.workdir)
-  if jax.process_index() != 0:
-    logging.set_verbosity(logging.WARNING)
+  startup.start(FLAGS.workdir)
   try:
     decode(FLAGS.workdir, input_path=FLAGS.input, split=FLAGS.split, output=FLAGS.output,
            reference=FLAGS.reference, beam_size=FLAGS.beam_size, alpha=FLAGS.alpha,
@@ -253,9 +216,9 @@ def main(argv):
 
 
 def exit_without_teardown() -> None:
-  """Ends a finished single-process command at once: its output is written and flushed, and
-  the interpreter's teardown (freeing JAX's buffers and CPU client) would add about 0.3 s to
-  every call. Several processes shut jax.distributed down as usual."""
+  """Ends a finished single-process command at once: its output is written and flushed, so
+  the interpreter's teardown (freeing every JAX buffer and the client) is time spent for
+  nothing. Several processes shut jax.distributed down as usual."""
   if jax.process_count() == 1:
     logging.flush()
     sys.stdout.flush()

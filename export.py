@@ -31,10 +31,6 @@ import numpy as np
 from absl import app, flags, logging
 from flax import traverse_util
 
-import checkpoints
-import console
-import sharding
-import translation
 from model import (
   EOS_ID,
   PAD_ID,
@@ -43,8 +39,10 @@ from model import (
   TransformerConfig,
   sinusoidal_table,
   transformer_beam_search,
+  transformer_continuous_beam_search,
 )
-from model.continuous_batching import transformer_continuous_beam_search
+from nmt import checkpoints, console, runs, sharding
+from nmt import translator as translator_lib
 
 FLAGS = flags.FLAGS
 FORMATS = ('jax', 'ctranslate2')
@@ -70,13 +68,13 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the CPU-tuned
   decoding.
   """
-  config, _, model = translation.load_run(workdir)
+  config, _, model = runs.load_run(workdir)
   model = Transformer(dataclasses.replace(model.config, cpu_tuned=platform == 'cpu'))
   decode_config = config.decode
   settings = dict(beam_size=decode_config.beam_size, alpha=decode_config.alpha,
                   max_extra_length=decode_config.max_extra_length,
-                  stopping=decode_config.get('stopping', 'exact'),
-                  min_length=decode_config.get('min_length', 1))
+                  stopping=decode_config.stopping,
+                  min_length=decode_config.min_length)
   max_length = min(decode_config.max_length, model.config.max_len)
   buckets = [b for b in JAX_BUCKETS if b < model.config.max_len] + [model.config.max_len]
   abstract_params = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -95,12 +93,12 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   # which the first `count` are decoded.
   continuous = {}
   if model.config.use_cpu_decoding:
-    continuous = dict(slots=translation.CONTINUOUS_SLOTS, sizes={})
+    continuous = dict(slots=translator_lib.CONTINUOUS_SLOTS, sizes={})
     for length in buckets:
-      size = translation.continuous_queue_size(length)
+      size = translator_lib.continuous_queue_size(length)
       search = functools.partial(
-          transformer_continuous_beam_search, model, slots=translation.CONTINUOUS_SLOTS,
-          refill=translation.CONTINUOUS_REFILL,
+          transformer_continuous_beam_search, model, slots=translator_lib.CONTINUOUS_SLOTS,
+          refill=translator_lib.CONTINUOUS_REFILL,
           max_length=min(length + settings['max_extra_length'], max_length), **settings)
       exported = jax.export.export(jax.jit(search), platforms=(platform,))(
           abstract_params, jax.ShapeDtypeStruct((size, length), np.int32),
@@ -130,7 +128,7 @@ def export_ctranslate2(workdir: str, params: Any, output_dir: str,
   if importlib.util.find_spec('ctranslate2') is None:
     raise ValueError("--format ctranslate2 needs the ctranslate2 package: pip install -e "
                      "'.[ctranslate2]'")
-  _, tokenizer, model = translation.load_run(workdir)
+  _, tokenizer, model = runs.load_run(workdir)
   spec = ctranslate2_spec(model.config, params, tokenizer.pieces())
   spec.optimize(quantization=quantization)
   spec.save(output_dir)
@@ -246,11 +244,11 @@ def export(workdir: str, output_dir: str, *, format: str = 'jax', checkpoint: st
   if replace and os.path.commonpath([output, run]) == output:
     raise ValueError(f'--output {output_dir} holds the run {workdir}: --overwrite would delete '
                      'it; name another folder.')
-  if translation.load_config(workdir).model.get('architecture', 'transformer') != 'transformer':
+  if runs.load_config(workdir).model.get('architecture', 'transformer') != 'transformer':
     raise ValueError(f'{workdir} holds an RNN: export.py exports Transformers (decode.py '
                      'translates with the RNN).')
   mesh = sharding.make_mesh(devices=jax.local_devices()[:1])
-  params, origin = translation.load_params(workdir, mesh, checkpoint, average_last)
+  params, origin = runs.load_params(workdir, mesh, checkpoint, average_last)
   params = jax.device_get(params)
   if replace:  # Only now that the parameters loaded: a failed export keeps the old folder.
     shutil.rmtree(output_dir)

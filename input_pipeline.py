@@ -23,31 +23,27 @@ Process 0 alone trains the tokenizer and prepares TFDS data; the other processes
 
 from __future__ import annotations
 
-import codecs
 import concurrent.futures
 import dataclasses
 import functools
 import gzip
 import hashlib
-import io
-import itertools
 import os
-import select
 import shutil
 import socket
 import struct
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import sentencepiece as spm
 import tensorflow_datasets as tfds
 from absl import logging
 from etils import epath
 
-from model import EOS_ID, PAD_ID, UNK_ID
+from nmt import tokenizer as tokenizer_lib
+from nmt.text_io import DataError, MissingDataError, read_lines
+from nmt.tokenizer import Tokenizer, load_tokenizer
 
 MULTI30K_ENV = 'MULTI30K_DIR'
 FEATURE_KEYS = ('inputs', 'targets', 'inputs_segmentation', 'targets_segmentation',
@@ -61,81 +57,7 @@ WAIT_LOG_SECONDS = 30.0
 WAIT_TIMEOUT_SECONDS = 24 * 3600.0
 
 
-class DataError(ValueError):
-  """Bad or missing input data; the message says which file/split and what to do."""
-
-
-class MissingDataError(DataError, FileNotFoundError):
-  """A file, folder or split that should exist does not."""
-
-
 # ----------------------------------------------------------------------------- raw text
-
-
-def read_lines(path: str | os.PathLike) -> list[str]:
-  """Lines of a UTF-8 text file, pipe or process substitution ('-': stdin) without line
-  endings or a leading byte-order mark; errors name file and line."""
-  path = os.fspath(path)
-  if path == '-':
-    path, data = 'stdin', sys.stdin.buffer.read()
-  elif os.path.isdir(path):
-    raise MissingDataError(f'{path}: is a folder, not a text file.')
-  elif not os.path.exists(path):
-    raise MissingDataError(f'{path}: file not found.')
-  else:
-    with open(path, 'rb') as f:
-      data = f.read()
-  lines = data.split(b'\n')
-  if lines and lines[-1] == b'':
-    lines.pop()  # Trailing newline of the last line.
-  return _text_lines(lines, path, 1)
-
-
-def _text_lines(lines: list[bytes], name: str, first_line: int) -> list[str]:
-  """UTF-8 lines without line endings, the first line of a file (first_line 1) without a
-  byte-order mark (Windows editors write one); an error names the file and the line."""
-  if first_line == 1 and lines:
-    lines = [lines[0].removeprefix(codecs.BOM_UTF8)] + lines[1:]
-  try:
-    return [line.decode('utf-8').rstrip('\r') for line in lines]
-  except UnicodeDecodeError as e:
-    line = first_line + next(i for i, x in enumerate(lines) if not _is_utf8(x))
-    raise DataError(f'{name}:{line}: invalid UTF-8 ({e.reason}); convert the file to UTF-8, '
-                    'e.g. `iconv -f LATIN1 -t UTF-8`.') from None
-
-
-def _is_utf8(data: bytes) -> bool:
-  try:
-    data.decode('utf-8')
-    return True
-  except UnicodeDecodeError:
-    return False
-
-
-def stream_lines(fd: int, max_lines: int = 1024, name: str = 'stdin') -> Iterator[list[str]]:
-  """Lines of a pipe or terminal as they arrive, for interactive translation.
-
-  Each chunk holds at least one line: it waits for the first, then takes the complete lines
-  already readable without waiting (at most `max_lines`). A last line without a newline
-  counts. Errors name the line, as `read_lines`.
-  """
-  pending, line_number, ended = b'', 1, False
-  while not ended:
-    lines: list[bytes] = []
-    while len(lines) < max_lines:
-      if lines and not select.select([fd], [], [], 0)[0]:
-        break  # Nothing more right now: translate what has arrived.
-      data = os.read(fd, 1 << 16)
-      if not data:
-        ended = True
-        if pending:
-          lines.append(pending)
-        break
-      *complete, pending = (pending + data).split(b'\n')
-      lines.extend(complete)
-    if lines:
-      yield _text_lines(lines, name, line_number)
-      line_number += len(lines)
 
 
 def read_parallel_files(folder: str, split: str, langs: Sequence[str]) -> dict[str, list[str]]:
@@ -338,8 +260,7 @@ def wait_for(what: str, ready: Callable[[], bool], process_index: int) -> None:
     time.sleep(WAIT_POLL_SECONDS)
 
 
-def prepared_builder(config, *, process_index: int = 0,
-                     process_count: int = 1) -> tfds.core.DatasetBuilder:
+def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuilder:
   """The builder of config.data.dataset_name, prepared in its data_dir.
 
   Process 0 downloads and prepares (once; later runs read the prepared copy); the other
@@ -546,7 +467,7 @@ def read_split(config, split: str, *, process_index: int = 0,
   builder = _builder(config)
   if isinstance(builder, ParallelTextFolder) and split not in builder.splits():
     read_parallel_files(builder._folder, split, (data.source_lang, data.target_lang))  # Raises.
-  builder = prepared_builder(config, process_index=process_index, process_count=process_count)
+  builder = prepared_builder(config, process_index=process_index)
   _check_split(builder, config, split)
   src, tgt = _split_pairs(builder, config, split)
   empty = sum(1 for s, t in zip(src, tgt, strict=True) if not s or not t)
@@ -563,53 +484,6 @@ def read_split(config, split: str, *, process_index: int = 0,
 
 
 # ----------------------------------------------------------------------------- tokenizer
-
-
-class Tokenizer:
-  """Joint sentencepiece model; ids: PAD 0, EOS 1, UNK 2, no BOS; byte fallback."""
-
-  def __init__(self, sp: spm.SentencePieceProcessor):
-    self._sp = sp
-    self.vocab_size = sp.get_piece_size()
-    self.fingerprint = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
-    # Smallest unsigned dtype that holds every id: what flat token arrays are stored in.
-    self.token_dtype = np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.int32)
-
-  def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-    """Int32 id arrays [len_i], each ending with EOS_ID (one batched C++ call)."""
-    ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
-    return [np.asarray(x, np.int32) for x in ids]
-
-  def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """All texts' ids end to end [total] (token_dtype), each ending with EOS_ID; lengths [n]."""
-    ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), self.token_dtype, int(lengths.sum()))
-    return tokens, lengths
-
-  def pieces(self) -> list[str]:
-    """The vocabulary's pieces in id order."""
-    return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]
-
-  def decode(self, ids) -> str:
-    """One sequence [len]: stops at the first EOS, ignores PAD."""
-    out = []
-    for i in np.asarray(ids).reshape(-1).tolist():
-      if i == EOS_ID:
-        break
-      if i != PAD_ID and 0 <= i < self.vocab_size:
-        out.append(i)
-    return self._sp.decode(out)
-
-  def decode_batch(self, ids_2d) -> list[str]:
-    """[batch, len] -> batch strings."""
-    return [self.decode(row) for row in np.asarray(ids_2d)]
-
-
-def load_tokenizer(path: str) -> Tokenizer:
-  if not os.path.isfile(path):
-    raise MissingDataError(f'{path}: tokenizer model not found.')
-  return Tokenizer(spm.SentencePieceProcessor(model_file=path))
 
 
 def tokenizer_sample(config) -> list[str]:
@@ -644,8 +518,8 @@ def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0,
                             process_count: int = 1) -> Tokenizer:
   """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`.
 
-  Its vocabulary is config.model.vocab_size. Deterministic: the sample is fed in corpus order
-  and trained single-threaded, so same data + seed = same bytes. Only process 0 trains (and
+  Its vocabulary is config.model.vocab_size; the same data and seed give the same bytes
+  (`nmt.tokenizer.train`). Only process 0 trains (and
   prepares the data for it); the others wait for the file (workdir is shared by all processes).
   """
   path = os.path.join(workdir, 'tokenizer.model')
@@ -661,19 +535,10 @@ def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0,
     return tokenizer
   texts = tokenizer_sample(config)
   os.makedirs(workdir, exist_ok=True)
-  model = io.BytesIO()
-  # Sentences from an iterator and the model into memory: no file paths end up in the
-  # model's trainer spec, so the bytes depend only on the data, seed and settings.
-  spm.SentencePieceTrainer.train(
-      sentence_iterator=iter(texts), model_writer=model, model_type='bpe',
-      vocab_size=vocab_size, character_coverage=1.0, byte_fallback=True,
-      pad_id=PAD_ID, eos_id=EOS_ID, unk_id=UNK_ID, bos_id=-1,
-      # Identity normalisation keeps decode(encode(s)) == s (NFKC would rewrite text).
-      normalization_rule_name='identity', remove_extra_whitespaces=False,
-      input_sentence_size=0, shuffle_input_sentence=False, num_threads=1, minloglevel=2)
+  model = tokenizer_lib.train(texts, vocab_size)
   tmp = f'{path}.tmp{os.getpid()}'
   with open(tmp, 'wb') as f:
-    f.write(model.getvalue())
+    f.write(model)
   os.replace(tmp, path)  # Atomic: a waiting process never sees half a file.
   logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', vocab_size,
                len(texts), path)
@@ -1012,14 +877,6 @@ def check_streams(config, process_count: int) -> int:
   return batch_size // num_streams
 
 
-def rows_per_host(batch_size: int, process_count: int) -> int:
-  """Each host's share of a global batch of `batch_size` rows; they must divide evenly."""
-  if batch_size % process_count:
-    raise DataError(f'batch_size={batch_size} rows do not divide over {process_count} hosts; '
-                    f'use a multiple of {process_count}.')
-  return batch_size // process_count
-
-
 def start_positions(state: dict | None, num_streams: int) -> list[list[int]]:
   """[epoch, batch_in_epoch] for every stream from a saved state (None: all at [0, 0]).
 
@@ -1158,7 +1015,7 @@ def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
   if missing:
     raise DataError(f'Data state has no position for streams {missing}: it is one process\'s '
                     'part; merge every process\'s get_state() by elementwise max.')
-  builder = prepared_builder(config, process_index=process_index, process_count=process_count)
+  builder = prepared_builder(config, process_index=process_index)
   _check_split(builder, config, data.train_split)
   cached = {s: _cached_stream_path(cache_dir, builder, config, tokenizer, s, num_streams)
             for s in own} if cache_dir else {}
@@ -1200,74 +1057,3 @@ def make_train_iterator(config, tokenizer: Tokenizer, *, process_index: int = 0,
                'and tokenized' if cache_dir else 'read and tokenized',
                seconds['read_and_tokenize'], seconds['pack'])
   return it
-
-
-# ----------------------------------------------------------------------------- evaluation
-
-
-def truncate(seqs: Sequence[np.ndarray], max_length: int, name: str) -> list[np.ndarray]:
-  """seqs with those longer than max_length cut to max_length (ending in EOS), with a
-  warning naming them as `name`."""
-  seqs = list(seqs)
-  long = [i for i, x in enumerate(seqs) if len(x) > max_length]
-  if long:
-    logging.warning('%s: truncating %d sequence(s) longer than %d tokens (indices %s%s).',
-                    name, len(long), max_length, long[:10], ' ...' if len(long) > 10 else '')
-  for i in long:
-    seqs[i] = np.append(np.asarray(seqs[i][:max_length - 1]), EOS_ID)
-  return seqs
-
-
-def length_batches(sides: dict[str, Sequence[np.ndarray]], max_batch_tokens: int,
-                   max_length: int | None = None, row_multiple: int = 1,
-                   length_multiple: int = 8) -> list[tuple[np.ndarray, dict[str, np.ndarray]]]:
-  """Batches of whole sequences (or aligned pairs) sorted by length, for evaluation and decoding.
-
-  A batch's rows are a power of two (at least `row_multiple`, rounded up to a multiple of it)
-  and its length L is the longest side of its members rounded up to `length_multiple`: few
-  distinct shapes to compile. rows * L <= max_batch_tokens, padding rows included, unless the
-  batch has the minimum number of rows. Sequences longer than max_length are cut to max_length
-  (ending in EOS) with a warning; a sequence longer than the budget gets a batch of its own.
-
-  Args:
-    sides: aligned lists of int id sequences, e.g. {'inputs': sources, 'targets': targets}.
-  Returns:
-    Per batch: indices [n] int64 into the lists (each index once over all batches), and each
-    side's ids [rows, L] int32 padded with PAD_ID, rows >= n.
-  """
-  sides = {k: list(v) for k, v in sides.items()}
-  if max_length is not None:
-    sides = {name: truncate(seqs, max_length, name) for name, seqs in sides.items()}
-  count = len(next(iter(sides.values())))
-  longest = [max(len(seqs[i]) for seqs in sides.values()) for i in range(count)]
-  padded = [max(1, -(-n // length_multiple) * length_multiple) for n in longest]
-  # By padded length, then by length: a batch's members end at more similar output lengths,
-  # and a batch runs as long as its longest output.
-  order = np.lexsort((np.array(longest, np.int64), np.array(padded, np.int64)))
-  def padded_rows(count: int) -> int:
-    rows = max(row_multiple, 1 << (count - 1).bit_length())
-    return -(-rows // row_multiple) * row_multiple
-
-  groups: list[list[int]] = []
-  for i in order.tolist():
-    # Sorted ascending, so the newest member sets the padded length.
-    if groups and padded_rows(len(groups[-1]) + 1) * padded[i] <= max_batch_tokens:
-      groups[-1].append(i)
-    else:
-      groups.append([i])
-  over = sorted(i for i in range(count) if padded[i] > max_batch_tokens)
-  if over:
-    logging.warning('%d sequence(s) exceed max_batch_tokens=%d (the longest %d tokens): each '
-                    'gets a batch of its own (indices %s%s).', len(over), max_batch_tokens,
-                    max(longest[i] for i in over), over[:10], ' ...' if len(over) > 10 else '')
-  batches = []
-  for group in groups:
-    rows = padded_rows(len(group))
-    arrays = {}
-    for name, seqs in sides.items():
-      ids = np.full((rows, padded[group[-1]]), PAD_ID, np.int32)
-      for r, i in enumerate(group):
-        ids[r, :len(seqs[i])] = seqs[i]
-      arrays[name] = ids
-    batches.append((np.array(group, np.int64), arrays))
-  return batches

@@ -31,12 +31,9 @@ import matplotlib
 import numpy as np
 from absl import app, flags, logging
 
-import checkpoints
-import console
-import input_pipeline
-import sharding
-import translation
 from model import EOS_ID, RNN, Transformer
+from nmt import checkpoints, console, runs, sharding, startup, text_io
+from nmt import translator as translator_lib
 
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
@@ -112,14 +109,14 @@ def plot(workdir: str, sentences: list[str], output_dir: str, targets: list[str]
     raise ValueError(f'{len(sentences)} sentences but {len(targets)} targets.')
   if not sentences or not all(s.strip() for s in sentences):
     raise ValueError('give at least one sentence, and no empty ones.')
-  config, tokenizer, model = translation.load_run(workdir)
+  config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh()
-  params, origin = translation.load_params(workdir, mesh, checkpoint)
+  params, origin = runs.load_params(workdir, mesh, checkpoint)
   params = jax.device_get(params)
   pieces = tokenizer.pieces()
   piece_ids = {piece: i for i, piece in enumerate(pieces)}
   if targets is None:
-    translator = translation.Translator(model, tokenizer, config.decode, mesh,
+    translator = translator_lib.Translator(model, tokenizer, config.decode, mesh,
                                         beam_size=beam_size, details=True)
     best = [outputs[0] for outputs in translator(translator.place(params), sentences)]
     target_ids = [np.array([piece_ids[p] for p in output['tokens']], np.int32)
@@ -175,9 +172,9 @@ def main(argv):
   if (FLAGS.sentences is None) == (FLAGS.input is None):
     sys.exit('error: give exactly one of --sentences and --input.')
   console.quiet_libraries()
-  translation.use_compilation_cache(FLAGS.workdir)
+  startup.use_compilation_cache(FLAGS.workdir)
   sentences = (FLAGS.sentences.split('|') if FLAGS.sentences is not None
-               else input_pipeline.read_lines(FLAGS.input))
+               else text_io.read_lines(FLAGS.input))
   targets = FLAGS.targets.split('|') if FLAGS.targets is not None else None
   try:
     written = plot(FLAGS.workdir, sentences, FLAGS.output_dir, targets, FLAGS.checkpoint,

@@ -28,6 +28,9 @@ import subprocess
 import sys
 import time
 
+from nmt import runs, scoring
+from nmt import translator as translator_lib
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (config file, overrides, what it is).
@@ -79,16 +82,17 @@ def training_summary(run: str) -> dict:
 def translate_test(run: str) -> dict:
   """test_2016_flickr with the last checkpoints averaged: scores, first and second call."""
   sys.path.insert(0, REPO)
-  import input_pipeline
-  import sharding
-  import translation
+  import jax
 
-  config, tokenizer, model = translation.load_run(run)
+  import input_pipeline
+  from nmt import sharding
+
+  config, tokenizer, model = runs.load_run(run)
   mesh = sharding.make_mesh()
-  params, origin = translation.load_params(run, mesh, None, AVERAGE_LAST)
+  params, origin = runs.load_params(run, mesh, None, AVERAGE_LAST)
   sources, references = input_pipeline.read_split(config, SPLIT)
-  translator = translation.Translator(model, tokenizer, config.decode, mesh)
-  params = translator.place(params)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, mesh)
+  params = jax.device_put(params, sharding.replicated(mesh))
   start = time.time()
   hypotheses = translator(params, sources)
   first = time.time() - start
@@ -96,7 +100,7 @@ def translate_test(run: str) -> dict:
   again = translator(params, sources)
   steady = time.time() - start
   assert again == hypotheses, 'the second call translated differently'
-  scores = translation.score(hypotheses, references)
+  scores = scoring.score(hypotheses, references)
   with open(os.path.join(run, f'{SPLIT}.hyp'), 'w', encoding='utf-8') as f:
     f.writelines(h + '\n' for h in hypotheses)
   return {'checkpoint': origin, 'sentences': len(sources),

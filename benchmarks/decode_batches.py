@@ -9,7 +9,7 @@ pass is reported). Per batch: rows x padded source length, sentences, the longes
 (the steps a batch runs under `stopping='early'`), the mean output length and the fraction
 of row-steps that decode a sentence still running (sum of output lengths / (rows x longest)).
 Then the same sentences through continuous batching (`model/continuous_batching.py`, what
-`decode.py` runs on one CPU device for more than `translation.CONTINUOUS_SLOTS` sentences):
+`decode.py` runs on one CPU device for more than `translator_lib.CONTINUOUS_SLOTS` sentences):
 its compile time, its pass, and whether its translations equal the batches'.
 """
 
@@ -23,25 +23,24 @@ import time
 import jax
 import numpy as np
 
-import input_pipeline
-import sharding
-import translation
 from model import EOS_ID, continuous_batching, transformer_beam_search
+from nmt import batching, runs, sharding, text_io
+from nmt import translator as translator_lib
 
 
 def measure(workdir: str, source: str, checkpoint: str | None = None,
             repeats: int = 2) -> dict:
   """The report described in the module docstring, as a dict."""
-  config, tokenizer, model = translation.load_run(workdir)
+  config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh()
-  params, origin = translation.load_params(workdir, mesh, checkpoint)
+  params, origin = runs.load_params(workdir, mesh, checkpoint)
   decode = config.decode
   search = jax.jit(functools.partial(
       transformer_beam_search, model, beam_size=decode.beam_size, alpha=decode.alpha,
-      max_extra_length=decode.max_extra_length, stopping=decode.get('stopping', 'exact'),
-      min_length=decode.get('min_length', 1)), static_argnames='max_length')
-  lines = [line for line in input_pipeline.read_lines(source) if line.strip()]
-  batches = input_pipeline.length_batches({'inputs': tokenizer.encode(lines)},
+      max_extra_length=decode.max_extra_length, stopping=decode.stopping,
+      min_length=decode.min_length), static_argnames='max_length')
+  lines = [line for line in text_io.read_lines(source) if line.strip()]
+  batches = batching.length_batches({'inputs': tokenizer.encode(lines)},
                                           decode.batch_tokens, model.config.max_len)
   max_length = lambda ids: min(ids.shape[1] + decode.max_extra_length, decode.max_length,
                                model.config.max_len)
@@ -83,14 +82,14 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
                        batch_best: dict[int, np.ndarray]) -> dict:
   """Compile time and fastest pass of continuous batching over `sources` (queued as the
   Translator queues them), and whether its best translations equal `batch_best` (by index)."""
-  (order, queue), *more = translation.continuous_queues(sources)
+  (order, queue), *more = translator_lib.continuous_queues(sources)
   if more:
     raise ValueError(f'{len(sources)} sentences make {1 + len(more)} queues; time one.')
   search = jax.jit(functools.partial(
       continuous_batching.transformer_continuous_beam_search, model,
-      slots=translation.CONTINUOUS_SLOTS, refill=translation.CONTINUOUS_REFILL,
+      slots=translator_lib.CONTINUOUS_SLOTS, refill=translator_lib.CONTINUOUS_REFILL,
       beam_size=decode.beam_size, alpha=decode.alpha, max_extra_length=decode.max_extra_length,
-      stopping=decode.get('stopping', 'exact'), min_length=decode.get('min_length', 1)),
+      stopping=decode.stopping, min_length=decode.min_length),
       static_argnames='max_length')
   max_length = min(queue.shape[1] + decode.max_extra_length, decode.max_length,
                    model.config.max_len)

@@ -1,4 +1,4 @@
-"""Fault injection: real train.py, decode.py and checkpoints.py processes against failures.
+"""Fault injection: real train.py, decode.py and average.py processes against failures.
 
   MULTI30K_DIR=../shared/data/multi30k python -m benchmarks.fault_injection \
       [--output results.json] [--only kill9,sigterm,...] [--keep]
@@ -40,7 +40,7 @@ import jax
 import numpy as np
 from absl import logging
 
-import checkpoints
+from nmt import checkpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, EVERY = 40, 10  # The reference run: checkpoints 10, 20, 30, 40.
@@ -57,7 +57,8 @@ ABSL_HINT = 'Pass --helpshort or --helpfull to see help on flags.'
 # disk when mounting a tmpfs is not permitted (EFBIG instead of ENOSPC, the same handling).
 FILL_DISK_AFTER_TWO_SAVES = '''
 import resource, signal, sys
-import checkpoints, train
+import train
+from nmt import checkpoints
 from absl import app
 
 saved = []
@@ -567,9 +568,9 @@ def overwritten(ctx: Context, row: Row) -> None:
   row.fact(f'--checkpoint {STEPS}: exit {forced.returncode}, last line '
            f'{"is" if clear else "is not"} an error naming the damage')
 
-  average = ctx.run([sys.executable, 'checkpoints.py', '--workdir', workdir, '--average_last',
+  average = ctx.run([sys.executable, 'average.py', '--workdir', workdir, '--average_last',
                      '2'], 'overwritten-average')
-  check_ok(row, average, 'checkpoints.py --average_last 2')
+  check_ok(row, average, 'average.py --average_last 2')
   row.expect(f'Skipping damaged checkpoint {STEPS}' in average.stderr,
              'averaging gave no "Skipping damaged checkpoint" warning')
   try:

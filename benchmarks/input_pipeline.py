@@ -44,6 +44,7 @@ import numpy as np
 
 import input_pipeline as ip
 from configs import multi30k, wmt14_base
+from nmt import text_io
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -75,7 +76,7 @@ def write_synthetic_corpus(folder: Path, num_pairs: int, seed: int = 0) -> None:
   if (folder / 'train.de').is_file():
     return
   source = Path(os.environ[ip.MULTI30K_ENV])
-  en, de = (ip.read_lines(source / f'train.{lang}') for lang in ('en', 'de'))
+  en, de = (text_io.read_lines(source / f'train.{lang}') for lang in ('en', 'de'))
   rng = random.Random(seed)
   folder.mkdir(parents=True, exist_ok=True)
   with open(folder / 'train.en.tmp', 'w') as f_en, open(folder / 'train.de.tmp', 'w') as f_de:

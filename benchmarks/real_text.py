@@ -50,15 +50,19 @@ print(f'load {loaded - start:.3f} translate {time.time() - loaded:.3f}', file=sy
 
 STEADY = """
 import json, sys, time
-import sharding, translation, input_pipeline
+import input_pipeline
+from nmt import sharding, translation
+from nmt import runs
+from nmt import text_io
+from nmt import translator as translator_lib
 workdir, checkpoint, source, stopping = sys.argv[1:5]
 checkpoint = checkpoint or None
-config, tokenizer, model = translation.load_run(workdir)
+config, tokenizer, model = runs.load_run(workdir)
 mesh = sharding.make_mesh()
-translator = translation.Translator(model, tokenizer, config.decode, mesh,
+translator = translator_lib.Translator(model, tokenizer, config.decode, mesh,
                                     stopping=stopping or None)
-params, _ = translation.load_params(workdir, mesh, checkpoint)
-lines = input_pipeline.read_lines(source)
+params, _ = runs.load_params(workdir, mesh, checkpoint)
+lines = text_io.read_lines(source)
 times = []
 for _ in range(2):
   start = time.time()

@@ -23,6 +23,9 @@ import sys
 
 import numpy as np
 
+from nmt import runs, scoring
+from nmt import translator as translator_lib
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The Flax WMT example on Multi30k en->de, 2-core AMD EPYC: (training minutes, test_2016_flickr
 # sacreBLEU cased), from ../shared/ANCHORS.md.
@@ -46,15 +49,13 @@ def first_reaching(points: list[dict], threshold: float) -> float | None:
 
 def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
   sys.path.insert(0, REPO)
-  import checkpoints
   import input_pipeline
-  import sharding
-  import translation
+  from nmt import checkpoints, sharding
 
-  config, tokenizer, model = translation.load_run(workdir)
+  config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh()
   sources, references = input_pipeline.read_split(config, split)
-  translator = translation.Translator(model, tokenizer, config.decode, mesh)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, mesh)
   steps = checkpoints.saved_steps(workdir)
   if not steps:
     raise SystemExit(f'error: no checkpoints in {workdir}.')
@@ -63,14 +64,14 @@ def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
   minutes = minutes_of_steps(workdir, steps)
   points = []
   for step, at in zip(steps, minutes):
-    params, _ = translation.load_params(workdir, mesh, step)
-    scores = translation.score(translator(translator.place(params), sources), references)
+    params, _ = runs.load_params(workdir, mesh, step)
+    scores = scoring.score(translator(translator.place(params), sources), references)
     points.append({'step': step, 'minutes': at, 'bleu': scores['bleu'],
                    'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']})
     print(json.dumps(points[-1]), flush=True)
   count = min(config.average_last_checkpoints, len(checkpoints.saved_steps(workdir)))
-  params, origin = translation.load_params(workdir, mesh, None, count)
-  scores = translation.score(translator(translator.place(params), sources), references)
+  params, origin = runs.load_params(workdir, mesh, None, count)
+  scores = scoring.score(translator(translator.place(params), sources), references)
   final = {'checkpoint': origin, 'minutes': minutes[-1], 'bleu': scores['bleu'],
            'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']}
   print(json.dumps(final), flush=True)

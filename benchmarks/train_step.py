@@ -22,7 +22,7 @@ layer + loss, optimizer update) as separately jitted functions.
 from __future__ import annotations
 
 if __name__ == '__main__':
-  import glibc_malloc  # As train.py does; TRANSFORMER_KEEP_MALLOC=1 measures without it.
+  from nmt import glibc_malloc  # As train.py does; TRANSFORMER_KEEP_MALLOC=1 measures without it.
 
   glibc_malloc.reexec_with_malloc_settings()
 
@@ -40,11 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import sharding
-import train
 from benchmarks.matmul_peak import matmul_peak_gflops
 from configs import multi30k
 from model import EOS_ID, Transformer, TransformerConfig
+from nmt import config_check, optimization, sharding
 
 # The peer: the Flax WMT example's train step on the same shape and machine type.
 PEER_TOKENS_PER_S = 2038.0
@@ -118,14 +117,15 @@ def build(args: argparse.Namespace) -> dict:
   """Everything train.py builds for its step: model, optimizer, sharded state and batch."""
   config = make_config(args)
   mesh = sharding.make_mesh(config.mesh_shape)
-  train.validate_config(config, mesh)
+  config_check.validate_config(config, mesh)
   model = Transformer(TransformerConfig(**config.model))
-  optimizer = train.make_optimizer(config)
-  init_state = functools.partial(train.init_train_state, model, optimizer)
+  optimizer = optimization.make_optimizer(config)
+  init_state = functools.partial(optimization.init_train_state, model, optimizer)
   rng = jax.random.PRNGKey(config.seed)
   shardings = sharding.state_shardings(jax.eval_shape(init_state, rng), mesh)
   state = jax.jit(init_state, out_shardings=shardings)(rng)
-  step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
+  step_fn, batch_sharding = optimization.compile_train_step(config, model, optimizer, mesh,
+                                                            shardings)
   # One process holds every row here, as the single host of a training run does.
   batch = sharding.from_host_rows(random_batch(args.batch, args.length, args.vocab),
                                   batch_sharding)
@@ -208,7 +208,7 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
 
   forward: the training-mode loss (dropout on); forward_backward: its gradient; output_layer:
   logits through the shared embedding + label-smoothed loss, forward and backward, on random
-  hidden states; optimizer: Adam's update and apply_updates; full_step: train.train_step.
+  hidden states; optimizer: Adam's update and apply_updates; full_step: optimization.train_step.
   """
   config, model, optimizer = built['config'], built['model'], built['optimizer']
   state, batch = built['state'], built['batch']
@@ -216,13 +216,13 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
   label_smoothing = config.optimizer.label_smoothing
 
   def loss_fn(params, batch, rng):
-    return train.training_loss(params, batch, rng, model=model,
+    return optimization.training_loss(params, batch, rng, model=model,
                                label_smoothing=label_smoothing)[0]
 
   def output_layer(hidden, embedding, targets):
     logits = (hidden @ embedding.T).astype(jnp.float32)
     weights = (targets > 0).astype(jnp.float32)
-    return train.cross_entropy(logits, targets, weights, label_smoothing)['loss']
+    return optimization.cross_entropy(logits, targets, weights, label_smoothing)['loss']
 
   def update(grads, opt_state, params):
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -242,8 +242,8 @@ def breakdown(built: dict, runs: int) -> dict[str, dict[str, float]]:
     parts['output_layer'] = (jax.jit(jax.grad(output_layer, argnums=(0, 1))),
                              (hidden, embedding.astype(hidden.dtype), batch['targets']))
   no_donation = jax.jit(functools.partial(
-      train.train_step, model=model, optimizer=optimizer,
-      schedule=train.learning_rate_schedule(config), label_smoothing=label_smoothing,
+      optimization.train_step, model=model, optimizer=optimizer,
+      schedule=optimization.learning_rate_schedule(config), label_smoothing=label_smoothing,
       grad_accum_steps=config.optimizer.grad_accum_steps))
   parts['full_step'] = (no_donation, (state, batch))
   results = {}

@@ -2,7 +2,7 @@
 
   MULTI30K_DIR=../shared/data/multi30k python train.py \
       --config configs/multi30k.py --workdir runs/multi30k
-  python checkpoints.py --workdir runs/multi30k
+  python average.py --workdir runs/multi30k
   python decode.py --workdir runs/multi30k --split test_2016_flickr --checkpoint averaged
 
 A post-LN Transformer (d_model 256, 3+3 layers, 7.6M parameters) that reaches about 37 BLEU on

@@ -2,7 +2,7 @@
 
   python train.py --config configs/tatoeba_de_en.py --workdir runs/tatoeba_de_en \
       --config.data.dataset_name=folder:../shared/data/tatoeba_deu_small
-  python checkpoints.py --workdir runs/tatoeba_de_en
+  python average.py --workdir runs/tatoeba_de_en
   python decode.py --workdir runs/tatoeba_de_en --split test --checkpoint averaged
 
 The folder holds aligned `{train,valid,test}.{de,en}` files (on these machines

@@ -1,25 +1,17 @@
-"""The Transformer of "Attention Is All You Need" as pure functional Flax Linen modules, and
-the attentional RNN it replaced (`model/rnn.py`) with the same interface."""
+"""The Transformer of "Attention Is All You Need" as pure functional Flax Linen modules, its
+searches, and the attentional RNN it replaced (`model/rnn.py`) with the same interface."""
 
 from collections.abc import Mapping
 from typing import Any
 
-from model.continuous_batching import transformer_continuous_beam_search
-from model.decoding import (
-    beam_search,
-    greedy_search,
-    length_penalty,
-    sample,
-    transformer_beam_search,
-    transformer_ensemble_beam_search,
-    transformer_greedy_search,
-    transformer_sample,
-)
+from model.config import TransformerConfig
+from model.cpu.continuous_batching import transformer_continuous_beam_search
+from model.ensemble import transformer_ensemble_beam_search
+from model.masks import shift_right
 from model.rnn import RNN, RNNConfig
+from model.search import beam_search, greedy_search, length_penalty, sample
+from model.tokens import EOS_ID, PAD_ID, UNK_ID
 from model.transformer import (
-    EOS_ID,
-    PAD_ID,
-    UNK_ID,
     Decoder,
     DecoderLayer,
     Encoder,
@@ -27,11 +19,13 @@ from model.transformer import (
     FeedForward,
     MultiHeadAttention,
     Transformer,
-    TransformerConfig,
     count_params,
-    shift_right,
     sinusoidal_table,
-    upgrade_params,
+)
+from model.transformer_search import (
+    transformer_beam_search,
+    transformer_greedy_search,
+    transformer_sample,
 )
 
 ARCHITECTURES = ('transformer', 'rnn')
@@ -53,8 +47,7 @@ __all__ = [
     'ARCHITECTURES', 'EOS_ID', 'PAD_ID', 'RNN', 'UNK_ID', 'Decoder', 'DecoderLayer', 'Encoder',
     'EncoderLayer', 'FeedForward', 'MultiHeadAttention', 'RNNConfig', 'Transformer',
     'TransformerConfig', 'beam_search', 'count_params', 'greedy_search', 'length_penalty',
-    'make_model', 'sample', 'shift_right',
-    'sinusoidal_table', 'transformer_beam_search', 'transformer_continuous_beam_search',
-    'transformer_ensemble_beam_search',
-    'transformer_greedy_search', 'transformer_sample', 'upgrade_params',
+    'make_model', 'sample', 'shift_right', 'sinusoidal_table', 'transformer_beam_search',
+    'transformer_continuous_beam_search', 'transformer_ensemble_beam_search',
+    'transformer_greedy_search', 'transformer_sample',
 ]

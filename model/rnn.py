@@ -70,7 +70,7 @@ class RNNConfig:
 
   @property
   def use_cpu_decoding(self) -> bool:
-    return False  # model/cpu_decoding.py's cache is the Transformer's.
+    return False  # model/cpu/decoding.py's cache is the Transformer's.
 
 
 def _segments(tokens: Array, segmentation: Array | None) -> Array:

@@ -1,144 +1,31 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017) as Flax Linen modules.
 
-One class per box of the paper's Figure 1, bottom-up: attention, feed-forward, encoder layer,
-decoder layer, encoder, decoder, and the `Transformer` that embeds tokens (with one shared
-matrix) and projects the decoder's output to the vocabulary.
-
-Token conventions used everywhere in the project: 0 = padding and decoder start symbol,
-1 = end of sentence, 2 = unknown.
-
-Incremental decoding keeps an explicit cache (a plain dict of arrays, passed in and returned):
-decoder self-attention keys/values of every step so far, [batch, beam, steps, heads, head_dim],
-and the cross-attention keys/values of the encoder output, projected once per source sentence
-by `init_decode_cache` and shared by its beams.
-
-`TransformerConfig.cpu_tuned` swaps in CPU-tuned primitives with the same parameters and
-results (up to rounding): `cpu_dropout`, `cpu_rows`, `cpu_layer_norm` and `cpu_decoding`.
+One class per box of the paper's Figure 1, bottom-up: attention, feed-forward, the residual
+sub-layer connection, encoder layer, decoder layer, encoder, decoder, and the `Transformer`
+that embeds tokens (with one shared matrix) and projects the decoder's output to the
+vocabulary. Beside it: its config (`model/config.py`), token ids (`model/tokens.py`), masks
+(`model/masks.py`), decoding caches (`model/decode_cache.py`) and the primitives it takes from
+`model/cpu/` on the CPU (`model/backend.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model import cpu_decoding, linear_attention, probability_maps
-from model.cpu_dropout import HashDropout
-from model.cpu_layer_norm import LayerNorm as CpuLayerNorm
-from model.cpu_rows import on_rows
-
-PAD_ID = 0
-EOS_ID = 1
-UNK_ID = 2
+from model import decode_cache, linear_attention
+from model.backend import dense_apply, dropout, layer_norm
+from model.config import ACTIVATIONS, ATTENTION_PROBS, TransformerConfig
+from model.masks import LinearMask, default_positions, make_mask, shift_right
 
 Array = jax.Array
 Cache = dict[str, Any]
-# Maps attention logits [..., keys] to attention weights; 'softmax' is the paper's, the others
-# give exact zeros (model/probability_maps.py).
-ATTENTION_PROBS: dict[str, Callable[[Array], Array]] = {
-    'softmax': jax.nn.softmax, 'sparsemax': probability_maps.sparsemax,
-    'entmax15': probability_maps.entmax15}
-ACTIVATIONS: dict[str, Callable[[Array], Array]] = {'relu': nn.relu, 'gelu': nn.gelu}
-# How a query and a key give an attention logit (`MultiHeadAttention.scores`).
-ATTENTION_SCORES = ('scaled_dot', 'dot', 'bilinear', 'additive')
-
-
-@dataclasses.dataclass(frozen=True)
-class TransformerConfig:
-  """Every architectural choice of the model.
-
-  Defaults are the paper's base model; `base()` and `big()` give Table 3's rows. Every field
-  can come from JSON: `dtype`/`param_dtype` also take names such as 'bfloat16'.
-  """
-
-  vocab_size: int
-  d_model: int = 512
-  num_heads: int = 8
-  d_ff: int = 2048
-  num_encoder_layers: int = 6
-  num_decoder_layers: int = 6
-  dropout_rate: float = 0.1
-  attention_dropout_rate: float = 0.0
-  max_len: int = 256  # Longest sequence (per segment) the positional encoding covers.
-  share_embeddings: bool = True  # Source, target and output projection share one matrix.
-  pre_norm: bool = False  # False: the paper's post-LN; True: LayerNorm before each sub-layer.
-  positional: str = 'sinusoidal'  # 'sinusoidal' (the paper) or 'learned'.
-  activation: str = 'relu'
-  attention_probs: str = 'softmax'  # A key of ATTENTION_PROBS.
-  # One of ATTENTION_SCORES: 'scaled_dot' q.k/sqrt(head_dim) (the paper), 'dot' q.k, 'bilinear'
-  # q^T W k, 'additive' v^T tanh(q + k) (Bahdanau's, on the projected q and k: memory grows
-  # as batch * heads * q_len * k_len * head_dim).
-  attention_score: str = 'scaled_dot'
-  # Linear attention (model/linear_attention.py) in every attention instead of a probability
-  # map of scores; decoding then keeps a constant-size state instead of a growing cache.
-  linear_attention: bool = False
-  layer_norm_epsilon: float = 1e-6
-  dtype: Any = jnp.float32  # Compute dtype, e.g. jnp.bfloat16 or 'bfloat16'.
-  param_dtype: Any = jnp.float32
-  # CPU-tuned primitives (same parameters): None = on when jax.default_backend() is 'cpu'.
-  cpu_tuned: bool | None = None
-  # `jax.nn.dot_product_attention(implementation=...)`: None or 'xla' (XLA's own lowering,
-  # every backend), 'cudnn' (cuDNN's fused kernel, GPU, bf16/fp16 only).
-  attention_implementation: str | None = None
-
-  def __post_init__(self):
-    for name in ('dtype', 'param_dtype'):  # 'bfloat16' and jnp.bfloat16 alike.
-      object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
-    if self.d_model % self.num_heads:
-      raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
-    if self.positional not in ('sinusoidal', 'learned'):
-      raise ValueError(f"positional must be 'sinusoidal' or 'learned', got {self.positional!r}.")
-    if self.activation not in ACTIVATIONS:
-      raise ValueError(f'activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}.')
-    if self.attention_probs not in ATTENTION_PROBS:
-      raise ValueError(
-          f'attention_probs must be one of {sorted(ATTENTION_PROBS)}, '
-          f'got {self.attention_probs!r}.')
-    if self.attention_score not in ATTENTION_SCORES:
-      raise ValueError(f'attention_score must be one of {list(ATTENTION_SCORES)}, '
-                       f'got {self.attention_score!r}.')
-    if self.linear_attention and (self.attention_probs, self.attention_score) != (
-        'softmax', 'scaled_dot'):
-      raise ValueError('linear_attention replaces the attention scores and probabilities: leave '
-                       "attention_probs='softmax' and attention_score='scaled_dot' with it.")
-    if self.linear_attention and self.attention_dropout_rate:
-      raise ValueError('linear_attention has no attention weights to drop out: set '
-                       'attention_dropout_rate=0.')
-    if self.positional == 'sinusoidal' and self.d_model % 2:
-      raise ValueError(f'sinusoidal positions need an even d_model, got {self.d_model}.')
-
-  @classmethod
-  def base(cls, vocab_size: int, **overrides) -> TransformerConfig:
-    """The paper's base model (Table 3): 512/2048/8 heads/6+6 layers/dropout 0.1."""
-    return cls(vocab_size=vocab_size, **overrides)
-
-  @classmethod
-  def big(cls, vocab_size: int, **overrides) -> TransformerConfig:
-    """The paper's big model (Table 3): 1024/4096/16 heads/6+6 layers/dropout 0.3."""
-    settings = dict(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
-    return cls(vocab_size=vocab_size, **{**settings, **overrides})
-
-  @property
-  def head_dim(self) -> int:
-    return self.d_model // self.num_heads
-
-  @property
-  def use_cpu_tuned(self) -> bool:
-    """`cpu_tuned`, with None resolved against the backend (at trace time)."""
-    if self.cpu_tuned is None:
-      return jax.default_backend() == 'cpu'
-    return self.cpu_tuned
-
-  @property
-  def use_cpu_decoding(self) -> bool:
-    """Decoding with model/cpu_decoding.py's cache (softmax-family attention only)."""
-    return self.use_cpu_tuned and not self.linear_attention
 
 
 def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
@@ -154,113 +41,6 @@ def sinusoidal_table(max_len: int, d_model: int) -> np.ndarray:
   table[:, 0::2] = np.sin(angle)
   table[:, 1::2] = np.cos(angle)
   return table.astype(np.float32)
-
-
-def shift_right(targets: Array, segmentation: Array | None = None) -> Array:
-  """Decoder inputs: targets shifted right by one with the start symbol 0, per packed segment.
-
-  Args:
-    targets: [batch, length] int.
-    segmentation: [batch, length] segment ids of packed rows, or None.
-  Returns:
-    [batch, length] int, 0 at the start of every segment.
-  """
-  shifted = jnp.pad(targets, ((0, 0), (1, 0)))[:, :-1]
-  if segmentation is not None:
-    previous_segment = jnp.pad(segmentation, ((0, 0), (1, 0)))[:, :-1]
-    shifted = jnp.where(segmentation == previous_segment, shifted, PAD_ID)
-  return shifted
-
-
-def positions_from_segmentation(segmentation: Array) -> Array:
-  """Position of every token within its packed segment: [batch, length] int32.
-
-  A segment starts wherever the id differs from the previous token's.
-  """
-  index = jnp.broadcast_to(jnp.arange(segmentation.shape[1], dtype=jnp.int32),
-                           segmentation.shape)
-  previous = jnp.pad(segmentation, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]
-  starts = jnp.where(segmentation != previous, index, 0)
-  return index - jax.lax.cummax(starts, axis=1)
-
-
-def attention_mask(query_tokens: Array, key_tokens: Array,
-                   query_segmentation: Array | None = None,
-                   key_segmentation: Array | None = None,
-                   causal: bool = False) -> Array:
-  """Boolean mask [batch, 1, query_length, key_length]: True where attention is allowed.
-
-  Blocks padding keys and queries (id 0), attention across packed segments, and with
-  `causal` every key after the query.
-  """
-  mask = (query_tokens > 0)[:, None, :, None] & (key_tokens > 0)[:, None, None, :]
-  if query_segmentation is not None:
-    mask &= query_segmentation[:, None, :, None] == key_segmentation[:, None, None, :]
-  if causal:
-    q_len, k_len = query_tokens.shape[1], key_tokens.shape[1]
-    mask &= jnp.arange(q_len)[:, None] >= jnp.arange(k_len)[None, :]
-  return mask
-
-
-class LinearMask(NamedTuple):
-  """What linear attention needs instead of a [q_len, k_len] mask (model/linear_attention.py).
-
-  query_segments [batch, q_len] and key_segments [batch, k_len] int: 0 at padding, else the
-  packed segment id (1 for every token of an unpacked row); `causal` and `packed` as there.
-  """
-
-  query_segments: Array
-  key_segments: Array
-  causal: bool
-  packed: bool
-
-  def dense(self) -> Array:
-    """The same as a bool mask [batch, 1, q_len, k_len]."""
-    query, key = self.query_segments, self.key_segments
-    mask = (query[:, None, :, None] == key[:, None, None, :]) & (query > 0)[:, None, :, None]
-    if self.causal:
-      mask &= jnp.arange(query.shape[1])[:, None] >= jnp.arange(key.shape[1])[None, :]
-    return mask
-
-
-def segment_ids(tokens: Array, segmentation: Array | None) -> Array:
-  """[batch, length] int32: 0 at padding, else the token's segment (1 in unpacked rows)."""
-  real = tokens > 0
-  if segmentation is None:
-    return real.astype(jnp.int32)
-  return jnp.where(real, segmentation, 0).astype(jnp.int32)
-
-
-def make_mask(config: TransformerConfig, query_tokens: Array, key_tokens: Array,
-              query_segmentation: Array | None = None, key_segmentation: Array | None = None,
-              causal: bool = False) -> Array | LinearMask:
-  """`attention_mask`, or with `config.linear_attention` its `LinearMask`."""
-  if config.linear_attention:
-    return LinearMask(segment_ids(query_tokens, query_segmentation),
-                      segment_ids(key_tokens, key_segmentation), causal,
-                      packed=query_segmentation is not None)
-  return attention_mask(query_tokens, key_tokens, query_segmentation, key_segmentation, causal)
-
-
-# The switchable primitives: the paper's operation, or its CPU-tuned twin.
-
-
-def dropout(config: TransformerConfig, rate: float) -> nn.Module:
-  """Inverted dropout (Section 5.4): `nn.Dropout`, or `HashDropout` when CPU-tuned."""
-  return HashDropout(rate) if config.use_cpu_tuned else nn.Dropout(rate)
-
-
-def layer_norm(config: TransformerConfig) -> nn.Module:
-  """Layer normalisation: `nn.LayerNorm`, or its CPU twin (same parameters) when CPU-tuned."""
-  norm = CpuLayerNorm if config.use_cpu_tuned else nn.LayerNorm
-  return norm(epsilon=config.layer_norm_epsilon, dtype=config.dtype,
-              param_dtype=config.param_dtype)
-
-
-def dense_apply(config: TransformerConfig, layer: Callable[[Array], Array], x: Array,
-                feature_dims: int = 1) -> Array:
-  """layer(x) on x [batch, length, *features]; on rank-2 rows when CPU-tuned."""
-  return on_rows(layer, x, feature_dims) if config.use_cpu_tuned else layer(x)
 
 
 class MultiHeadAttention(nn.Module):
@@ -371,48 +151,6 @@ class MultiHeadAttention(nn.Module):
     probs = ATTENTION_PROBS[self.config.attention_probs](logits.astype(jnp.float32))
     return probs.astype(self.config.dtype)
 
-  def cached_step(self, x: Array, step: Array, keys: Array, values: Array,
-                  mask: Array) -> tuple[Array, Array, Array]:
-    """Self-attention of one decoding step with a key/value cache.
-
-    Args:
-      x: [batch, beam, d_model], this step's inputs of every hypothesis.
-      step: scalar int, the position being decoded.
-      keys, values: the cache, [batch, beam, steps, heads, head_dim].
-      mask: [1, 1, 1, steps] bool, the steps written so far (this one included).
-    Returns:
-      [batch, beam, d_model] and the cache with this step's keys/values written.
-    """
-    new_keys, new_values = self.project_keys_values(x)  # [batch, beam, heads, head_dim]
-    keys = jax.lax.dynamic_update_slice_in_dim(keys, new_keys[:, :, None], step, axis=2)
-    values = jax.lax.dynamic_update_slice_in_dim(values, new_values[:, :, None], step, axis=2)
-    batch, beam = x.shape[:2]
-    rows = lambda t: t.reshape((batch * beam,) + t.shape[2:])  # Hypotheses as the batch.
-    out = self.attend(rows(x)[:, None], rows(keys), rows(values), mask, train=False)
-    return out.reshape(x.shape), keys, values
-
-  def linear_step(self, x: Array, state: Array) -> tuple[Array, Array]:
-    """Linear self-attention of one decoding step: adds its key/value to the state, then reads.
-
-    Args:
-      x: [batch, beam, d_model], this step's inputs of every hypothesis.
-      state: [batch, beam, heads, head_dim, head_dim + 1] (model/linear_attention.py).
-    Returns:
-      [batch, beam, d_model] and the new state.
-    """
-    keys, values = self.project_keys_values(x)
-    state = linear_attention.add_to_state(state, keys, values)
-    return self.linear_read(x, state), state
-
-  def linear_read(self, x: Array, state: Array) -> Array:
-    """Linear attention of x [batch, beam, d_model] over a summed state: [batch, beam, heads,
-    head_dim, head_dim + 1] (self-attention) or [batch, heads, ...] (the source's, shared)."""
-    c = self.config
-    if state.ndim == 4:
-      state = state[:, None]
-    context = linear_attention.read(dense_apply(c, self.query, x), state).astype(c.dtype)
-    return dense_apply(c, self.out, context, feature_dims=2)
-
   def __call__(self, x: Array, context: Array, mask: Array | LinearMask, train: bool) -> Array:
     keys, values = self.project_keys_values(context)
     return self.attend(x, keys, values, mask, train)
@@ -488,7 +226,7 @@ class DecoderLayer(nn.Module):
         y, lambda z: self.cross_attention(z, encoded, cross_mask, train), train)
     return self.feed_forward_sublayer(y, self.feed_forward, train)
 
-  def step(self, y: Array, step: Array, layer_cache: Cache, self_mask: Array,
+  def step(self, y: Array, step: Array, layer_cache: Cache, self_mask: Array | None,
            cross_mask: Array) -> tuple[Array, Cache]:
     """One incremental decoding step for `beam` hypotheses per sentence.
 
@@ -502,43 +240,18 @@ class DecoderLayer(nn.Module):
       [batch, beam, d_model] and the updated layer cache.
     """
     new_cache = dict(layer_cache)
-    cpu_tuned = self.config.use_cpu_decoding
-    if self.config.linear_attention:
-      return self.linear_step(y, layer_cache)
 
     def self_attend(z):
-      if cpu_tuned:
-        out, written = cpu_decoding.self_attention_step(
-            self.self_attention, z, step, layer_cache, self_mask)
-        new_cache.update(written)
-      else:
-        out, new_cache['self_keys'], new_cache['self_values'] = self.self_attention.cached_step(
-            z, step, layer_cache['self_keys'], layer_cache['self_values'], self_mask)
+      out, written = decode_cache.self_attention_step(self.self_attention, z, step, layer_cache,
+                                                      self_mask)
+      new_cache.update(written)
       return out
 
     y = self.self_attention_sublayer(y, self_attend, False)
     # The beam axis plays the query axis of cross-attention: one source, `beam` queries, so the
     # encoder keys/values are neither copied per hypothesis nor reordered.
-    if cpu_tuned:
-      cross_attend = lambda z: cpu_decoding.cross_attention_step(
-          self.cross_attention, z, layer_cache, cross_mask)
-    else:
-      cross_attend = lambda z: self.cross_attention.attend(
-          z, layer_cache['cross_keys'], layer_cache['cross_values'], cross_mask, False)
-    y = self.cross_attention_sublayer(y, cross_attend, False)
-    return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
-
-  def linear_step(self, y: Array, layer_cache: Cache) -> tuple[Array, Cache]:
-    """`step` with linear attention: layer_cache holds 'self_state' and 'cross_state'."""
-    new_cache = dict(layer_cache)
-
-    def self_attend(z):
-      out, new_cache['self_state'] = self.self_attention.linear_step(z, layer_cache['self_state'])
-      return out
-
-    y = self.self_attention_sublayer(y, self_attend, False)
-    y = self.cross_attention_sublayer(
-        y, lambda z: self.cross_attention.linear_read(z, layer_cache['cross_state']), False)
+    y = self.cross_attention_sublayer(y, lambda z: decode_cache.cross_attention_step(
+        self.cross_attention, z, layer_cache, cross_mask), False)
     return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
 
 
@@ -661,7 +374,7 @@ class Transformer(nn.Module):
     """
     self._check_length(inputs.shape[1], 'Source')
     if inputs_positions is None:
-      inputs_positions = _default_positions(inputs, inputs_segmentation)
+      inputs_positions = default_positions(inputs, inputs_segmentation)
     mask = make_mask(self.config, inputs, inputs, inputs_segmentation, inputs_segmentation)
     x = self._embed(inputs, inputs_positions, source=True, train=train)
     return self.encoder(x, mask, train)
@@ -679,7 +392,7 @@ class Transformer(nn.Module):
     """
     self._check_length(targets.shape[1], 'Target')
     if targets_positions is None:
-      targets_positions = _default_positions(targets, targets_segmentation)
+      targets_positions = default_positions(targets, targets_segmentation)
     decoder_inputs = shift_right(targets, targets_segmentation)
     # Masks come from `targets`, not the decoder inputs: the start symbol shares id 0 with pad.
     self_mask = make_mask(self.config, targets, targets, targets_segmentation,
@@ -722,23 +435,8 @@ class Transformer(nn.Module):
       and 'cross_state' [batch, heads, head_dim, head_dim + 1], whatever `max_length`.
     """
     self._check_length(max_length, 'Decoding')
-    c = self.config
-    cross = self.decoder.cross_keys_values(encoded)
-    if c.linear_attention:
-      self_state = linear_attention.initial_state((inputs.shape[0], beam_size), c.num_heads,
-                                                  c.head_dim)
-      layers = [dict(self_state=self_state,
-                     cross_state=linear_attention.summed_state(keys, values, inputs > 0))
-                for keys, values in cross]
-      return {'encoder_mask': inputs > 0, 'layers': layers}
-    if c.use_cpu_decoding:
-      return cpu_decoding.init_cache(cross, inputs > 0, beam_size, max_length, c.num_heads,
-                                     c.head_dim, c.dtype)
-    empty = jnp.zeros((inputs.shape[0], beam_size, max_length, c.num_heads, c.head_dim),
-                      c.dtype)
-    layers = [dict(self_keys=empty, self_values=empty, cross_keys=keys, cross_values=values)
-              for keys, values in cross]
-    return {'encoder_mask': inputs > 0, 'layers': layers}
+    return decode_cache.init(self.config, self.decoder.cross_keys_values(encoded), inputs,
+                             beam_size, max_length)
 
   def decode_step(self, tokens: Array, step: Array, cache: Cache) -> tuple[Array, Cache]:
     """Logits for the next token of every hypothesis, given this step's tokens.
@@ -746,50 +444,17 @@ class Transformer(nn.Module):
     Args:
       tokens: [batch, beam] int, the tokens at position `step` (0 = start symbol at step 0).
       step: scalar int32, the position being decoded; with the CPU decoding cache also
-        [batch] int32, a position per sentence (`model/continuous_batching.py`).
+        [batch] int32, a position per sentence (`model/cpu/continuous_batching.py`).
       cache: from `init_decode_cache` or the previous step.
     Returns:
       logits [batch, beam, vocab] float32 and the updated cache.
     """
-    if self.config.linear_attention:
-      self_mask = None  # The states hold exactly what each hypothesis reads.
-    elif self.config.use_cpu_decoding:
-      self_mask, cache = cpu_decoding.self_attention_mask(cache, step)
-    else:
-      steps = cache['layers'][0]['self_keys'].shape[2]
-      self_mask = (jnp.arange(steps) <= step)[None, None, None, :]
+    self_mask, cache = decode_cache.self_attention_mask(self.config, cache, step)
     cross_mask = cache['encoder_mask'][:, None, None, :]
     positions = jnp.broadcast_to(jnp.reshape(step, (-1, 1)), tokens.shape).astype(jnp.int32)
     y = self._embed(tokens, positions, source=False, train=False)
     y, layers = self.decoder.step(y, step, cache['layers'], self_mask, cross_mask)
     return self._logits(y), {**cache, 'layers': layers}
-
-
-def _default_positions(tokens: Array, segmentation: Array | None) -> Array:
-  """Positions within each packed segment, or 0, 1, ... along each row: [batch, length]."""
-  if segmentation is not None:
-    return positions_from_segmentation(segmentation)
-  return jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
-
-
-def upgrade_params(params: dict[str, Any]) -> dict[str, Any]:
-  """A parameter tree of the earlier layout (layers at the top level: 'encoder_layers_0', ...,
-  'encoder_norm', 'decoder_norm') in today's ('encoder': {'layers_0', ..., 'norm'}, 'decoder':
-  ...). Trees already in today's layout are returned unchanged."""
-  if 'encoder' in params or 'decoder' in params:
-    return params
-  upgraded: dict[str, Any] = {}
-  for name, value in params.items():
-    for side in ('encoder', 'decoder'):
-      if name.startswith(f'{side}_layers_'):
-        upgraded.setdefault(side, {})['layers_' + name[len(f'{side}_layers_'):]] = value
-        break
-      if name == f'{side}_norm':
-        upgraded.setdefault(side, {})['norm'] = value
-        break
-    else:
-      upgraded[name] = value
-  return upgraded
 
 
 def count_params(params) -> int:

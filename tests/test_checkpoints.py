@@ -16,11 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import checkpoints
-import sharding
 import train
 from configs import tiny
 from model import Transformer, TransformerConfig
+from nmt import checkpoints, checksums, loop_control, optimization, sharding, train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -66,11 +65,11 @@ def run(trained_run, tmp_path):
 
 
 def restore_for_training(config, workdir, init_params_from=None):
-  """train.restore_or_init on one device: what a restarted train.py restores (no compiling)."""
+  """restore_or_init on one device: what a restarted train.py restores (no compiling)."""
   model = Transformer(TransformerConfig(**config.model))
   mesh = sharding.make_mesh('')
-  return train.restore_or_init(config, model, train.make_optimizer(config), mesh, workdir,
-                               init_params_from)
+  return train_state.restore_or_init(config, model, optimization.make_optimizer(config), mesh,
+                                     workdir, init_params_from)
 
 
 def leaves(tree):
@@ -86,11 +85,11 @@ def test_checksums_do_not_depend_on_the_layout_and_see_one_changed_bit():
           'half': jnp.asarray(rng.normal(size=(8, 4)), jnp.bfloat16),
           'count': np.int32(7), 'key': jax.random.PRNGKey(3),
           'flags': rng.random(16) > 0.5}
-  one_device = checkpoints.checksums(jax.device_put(tree, jax.local_devices()[0]))
+  one_device = checksums.checksums(jax.device_put(tree, jax.local_devices()[0]))
   mesh = sharding.make_mesh('data:2,fsdp:4')
   spread = jax.device_put(tree['kernel'], jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec('data', 'fsdp')))
-  assert checkpoints.checksums({'kernel': spread})['kernel'] == one_device['kernel']
+  assert checksums.checksums({'kernel': spread})['kernel'] == one_device['kernel']
   for name in tree:
     changed = jax.tree_util.tree_map(np.array, tree)
     flat = changed[name].reshape(-1) if changed[name].ndim else changed[name]
@@ -103,11 +102,11 @@ def test_checksums_do_not_depend_on_the_layout_and_see_one_changed_bit():
     else:
       view = flat.view(np.uint32)
       view[1] ^= 1  # One bit of one element.
-    assert checkpoints.checksums(changed)[name] != one_device[name], name
+    assert checksums.checksums(changed)[name] != one_device[name], name
   # Two equal values swapped: a sum of the values alone would not see it.
   swapped = np.array(tree['kernel'])
   swapped[[0, 1]] = swapped[[1, 0]]
-  assert checkpoints.checksums({'kernel': swapped})['kernel'] != one_device['kernel']
+  assert checksums.checksums({'kernel': swapped})['kernel'] != one_device['kernel']
 
 
 # ----------------------------------------------------------------------------- damage
@@ -254,14 +253,15 @@ def test_an_interrupted_run_exits_with_the_resumable_code(run):
       break
     time.sleep(0.2)
   _, stderr = process.communicate(timeout=300)
-  assert process.returncode == train.EXIT_INTERRUPTED, stderr[-2000:]
+  assert process.returncode == loop_control.EXIT_INTERRUPTED, stderr[-2000:]
   assert 'rerun the same command to resume' in stderr
   assert checkpoints.saved_steps(run)[-1] > 8
 
 
 _FILL_DISK_AFTER_FIRST_SAVE = '''
 import resource, signal, sys
-import checkpoints, train
+import train
+from nmt import checkpoints
 from absl import app
 
 saved = []

@@ -2,13 +2,14 @@
 
 import logging
 import os
+import pathlib
 import subprocess
 import sys
 
 import pytest
 from absl import flags
 
-import console
+from nmt import console
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -44,9 +45,10 @@ def test_a_training_run_prints_its_own_lines(tmp_path):
   assert result.returncode == 0, result.stderr[-3000:]
   lines = result.stderr.splitlines()
   info = [line for line in lines if line.startswith('I')]
-  assert info and all(any(f' {name}:' in line for name in (
-      'train.py', 'input_pipeline.py', 'checkpoints.py', 'translation.py')) for line in info), (
-          '\n'.join(info))
+  project_files = {path.name for folder in ('.', 'nmt', 'model')
+                   for path in pathlib.Path(REPO, folder).glob('*.py')}
+  assert info and all(any(f' {name}:' in line for name in project_files) for line in info), (
+      '\n'.join(info))
   assert any('ETA' in line for line in info) and any('Saving checkpoint' in line for line in info)
   assert any('Done: step 10' in line for line in info)
   assert len(lines) < 40, '\n'.join(lines)

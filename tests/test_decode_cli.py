@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 import sacrebleu
 
-import checkpoints
-import sharding
-import translation
+from nmt import checkpoints, runs, sharding
+from nmt import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -60,9 +59,9 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
   assert 'chrF' in stderr and 'nrefs:1' in stderr
 
   # Order: each line translated alone gives the same output as inside the file.
-  config, tokenizer, model = translation.load_run(workdir)
-  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = translation.load_params(workdir, translator.mesh)
+  config, tokenizer, model = runs.load_run(workdir)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = runs.load_params(workdir, translator.mesh)
   for position in (0, 2, 5):
     assert translator(params, [lines[position]]) == [hypotheses[position]]
 
@@ -166,9 +165,9 @@ def test_stdin_from_a_pipe_is_translated_line_by_line_as_it_arrives(workdir):
     assert process.wait(timeout=120) == 0, process.stderr.read().decode()[-3000:]
   finally:
     process.kill()
-  config, tokenizer, model = translation.load_run(workdir)
-  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = translation.load_params(workdir, translator.mesh)
+  config, tokenizer, model = runs.load_run(workdir)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = runs.load_params(workdir, translator.mesh)
   assert outputs == translator(params, lines)
   assert outputs[1] == ''
 
@@ -201,12 +200,12 @@ def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
   lines = result.stdout.decode().split('\n')[:-1]
   assert lines[0].startswith('Ein Hund') and lines[2].startswith('Eine Frau singt,')
   assert len(lines[0]) > len('Ein Hund')  # Continued past the prefix.
-  config, tokenizer, model = translation.load_run(workdir)
-  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = translation.load_params(workdir, translator.mesh)
+  config, tokenizer, model = runs.load_run(workdir)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = runs.load_params(workdir, translator.mesh)
   assert lines[1] == translator(params, [sources[1]])[0]  # No prefix: unchanged.
   # A trailing space (typed after a word) is not forced as a piece of its own.
-  detailed = translation.Translator(model, tokenizer, config.decode, translator.mesh,
+  detailed = translator_lib.Translator(model, tokenizer, config.decode, translator.mesh,
                                     details=True)
   spaced, plain = (detailed(params, sources[:1], prefixes=[p])[0][0]
                    for p in ('Ein Hund ', 'Ein Hund'))
@@ -236,7 +235,6 @@ def test_an_ensemble_of_two_checkpoints_translates_and_bad_weights_are_one_line(
 def test_an_ensemble_member_with_another_tokenizer_is_refused(workdir, tmp_path):
   import sentencepiece as spm
 
-  import decode
   other = tmp_path / 'other_run'
   shutil.copytree(workdir, other)
   text = tmp_path / 'text.txt'
@@ -245,11 +243,11 @@ def test_an_ensemble_member_with_another_tokenizer_is_refused(workdir, tmp_path)
                                  vocab_size=30, model_type='bpe', pad_id=0, eos_id=1, unk_id=2,
                                  bos_id=-1, minloglevel=2)
   shutil.copy(tmp_path / 'spm.model', other / 'tokenizer.model')
-  config, tokenizer, model = translation.load_run(workdir)
+  config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh()
-  params, origin = translation.load_params(workdir, mesh)
+  params, origin = runs.load_params(workdir, mesh)
   with pytest.raises(ValueError, match='has another tokenizer'):
-    decode.load_ensemble(str(other), None, tokenizer, mesh, model, params, origin)
+    runs.load_ensemble(str(other), None, tokenizer, mesh, model, params, origin)
 
 
 @pytest.mark.parametrize('flags, message', [

@@ -1,4 +1,4 @@
-"""Tests of model/decoding.py: beam search against brute force, greedy search and sampling,
+"""Tests of model/search.py: beam search against brute force, greedy search and sampling,
 batch invariance, and cached scores against the teacher-forced forward pass."""
 
 import dataclasses
@@ -15,15 +15,15 @@ from model import (
   Transformer,
   TransformerConfig,
   beam_search,
-  continuous_batching,
-  cpu_decoding,
-  decoding,
   greedy_search,
   length_penalty,
+  search,
   transformer_beam_search,
   transformer_greedy_search,
   transformer_sample,
 )
+from model.cpu import continuous_batching
+from model.cpu import decoding as cpu_decoding
 
 ALPHA = 0.6
 
@@ -277,8 +277,8 @@ def test_block_top_k_equals_top_k_over_every_extension(vocab):
   limits = np.array([50, 50, 50, 4, 4, 50], np.int32)  # Sentences 3, 4 at their last step.
   step = jnp.asarray(3, jnp.int32)
   for force_full_length in (False, True):
-    allowed = decoding._allowed_tokens(vocab, step, jnp.asarray(limits), force_full_length)
-    want_scores, want_flat = decoding.top_k_extensions(log_probs, hypothesis_log_probs,
+    allowed = search._allowed_tokens(vocab, step, jnp.asarray(limits), force_full_length)
+    want_scores, want_flat = search.top_k_extensions(log_probs, hypothesis_log_probs,
                                                        allowed, k)
     finite = np.isfinite(np.asarray(want_scores))
     assert finite[:3].all() and not finite[3:5].all()  # Sentences 3, 4: only EOS allowed.
@@ -398,8 +398,8 @@ def test_a_nonempty_source_never_gets_an_empty_translation(cpu_tuned, monkeypatc
         continuous_batching.transformer_continuous_beam_search(
             model, params, rows, len(inputs), slots=2, refill=1, beam_size=3, nbest=2,
             stopping='early', **kw)[0][:len(inputs)],)
-  for name, search in searches.items():
-    seqs = np.asarray(jax.jit(functools.partial(search, model))(params, inputs)[0])
+  for name, search_fn in searches.items():
+    seqs = np.asarray(jax.jit(functools.partial(search_fn, model))(params, inputs)[0])
     lengths = output_lengths(seqs).reshape(len(inputs), -1)
     empty_source = (inputs == 0).all(1)
     assert (lengths[empty_source] == 1).all(), name
@@ -449,12 +449,12 @@ def test_cpu_tuned_and_default_searches_give_identical_outputs(medium, seed):
 
 
 def test_chunk_ends_double_up_to_the_buffer_length():
-  assert decoding.chunk_ends(66, 8) == [8, 16, 32, 66]  # Not a 2-step piece after 64.
-  assert decoding.chunk_ends(90, 8) == [8, 16, 32, 64, 90]
-  assert decoding.chunk_ends(40, 8) == [8, 16, 32, 40]
-  assert decoding.chunk_ends(64, 8) == [8, 16, 32, 64]
-  assert decoding.chunk_ends(256, 8) == [8, 16, 32, 64, 128, 256]
-  assert decoding.chunk_ends(5, 8) == [5]
+  assert search.chunk_ends(66, 8) == [8, 16, 32, 66]  # Not a 2-step piece after 64.
+  assert search.chunk_ends(90, 8) == [8, 16, 32, 64, 90]
+  assert search.chunk_ends(40, 8) == [8, 16, 32, 40]
+  assert search.chunk_ends(64, 8) == [8, 16, 32, 64]
+  assert search.chunk_ends(256, 8) == [8, 16, 32, 64, 128, 256]
+  assert search.chunk_ends(5, 8) == [5]
 
 
 def _bigram_step(table):

@@ -13,10 +13,8 @@ import pytest
 from test_train import _setup, small_config
 
 import export
-import input_pipeline
-import sharding
-import translation
 from model import EOS_ID, Transformer, TransformerConfig, transformer_beam_search
+from nmt import batching, runs, sharding, text_io
 
 ctranslate2 = pytest.importorskip(
     'ctranslate2', reason="needs the ctranslate2 extra: pip install -e '.[ctranslate2]'")
@@ -26,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def val_sentences(count):
   folder = os.environ['MULTI30K_DIR']
-  read = lambda lang: input_pipeline.read_lines(os.path.join(folder, f'val.{lang}'))[:count]
+  read = lambda lang: text_io.read_lines(os.path.join(folder, f'val.{lang}'))[:count]
   return read('en'), read('de')
 
 
@@ -35,9 +33,9 @@ def converted(tiny_run, tmp_path_factory):
   """The tiny run's newest checkpoint as a CTranslate2 folder, and the run loaded here."""
   folder = str(tmp_path_factory.mktemp('ct2'))
   export.export(tiny_run, folder, format='ctranslate2')
-  config, tokenizer, model = translation.load_run(tiny_run)
+  config, tokenizer, model = runs.load_run(tiny_run)
   mesh = sharding.make_mesh()
-  params, _ = translation.load_params(tiny_run, mesh)
+  params, _ = runs.load_params(tiny_run, mesh)
   return folder, config, tokenizer, model, params, mesh
 
 
@@ -50,7 +48,7 @@ def test_teacher_forced_log_probabilities_equal_ours(converted):
   sources, targets = val_sentences(12)
   scored = ctranslate2.Translator(folder, intra_threads=1).score_batch(
       pieces(tokenizer, sources), pieces(tokenizer, targets))
-  (order, arrays), = input_pipeline.length_batches(
+  (order, arrays), = batching.length_batches(
       {'inputs': tokenizer.encode(sources), 'targets': tokenizer.encode(targets)}, 1 << 20)
   logits = model.apply({'params': params}, arrays['inputs'], arrays['targets'])
   ours = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)),
@@ -136,7 +134,7 @@ def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(tiny_run, 
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   assert sorted(os.listdir(folder)) == ['config.json', 'model.bin', 'shared_vocabulary.json',
                                         'tokenizer.model']
-  _, tokenizer, _ = translation.load_run(tiny_run)
+  _, tokenizer, _ = runs.load_run(tiny_run)
   sources, _ = val_sentences(4)
   results = ctranslate2.Translator(str(folder)).translate_batch(pieces(tokenizer, sources),
                                                                  max_decoding_length=20)

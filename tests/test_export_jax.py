@@ -16,15 +16,14 @@ import urllib.request
 
 import pytest
 
-import input_pipeline
-import sharding
-import translation
+from nmt import runs, sharding, text_io
+from nmt import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Run serving.py with everything but jax, numpy, sentencepiece, flatbuffers and the standard
 # library unimportable: Flax, TensorFlow, and every module of this project.
 BLOCKED = ('flax', 'tensorflow', 'tensorflow_datasets', 'optax', 'orbax', 'ml_collections',
-           'absl', 'sacrebleu', 'model', 'translation', 'input_pipeline', 'checkpoints',
+           'absl', 'sacrebleu', 'model', 'nmt', 'translation', 'input_pipeline', 'checkpoints',
            'sharding', 'console', 'decode', 'train', 'export', 'configs')
 
 
@@ -58,15 +57,15 @@ def exported(tiny_run, tmp_path_factory):
 
 def sources():
   """Varied lengths (several buckets), an empty line, one line longer than any bucket."""
-  lines = input_pipeline.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
+  lines = text_io.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
   picked = [lines[i] for i in (0, 3, 7, 11)]
   return picked[:2] + [''] + picked[2:] + [' '.join(lines[:12]), 'Hi.']
 
 
 def test_exported_translator_equals_decode(tiny_run, exported, tmp_path):
-  config, tokenizer, model = translation.load_run(tiny_run)
-  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = translation.load_params(tiny_run, translator.mesh)
+  config, tokenizer, model = runs.load_run(tiny_run)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = runs.load_params(tiny_run, translator.mesh)
   lines = sources()
   expected = translator(params, lines)
   assert expected[2] == ''
@@ -92,12 +91,12 @@ def test_exported_continuous_batching_equals_decode(tiny_run, exported, monkeypa
   program per bucket, a queue of fixed size), with decode.py's translations."""
   with open(os.path.join(exported, 'translator.json'), encoding='utf-8') as f:
     continuous = json.load(f)['continuous']
-  assert continuous['slots'] == translation.CONTINUOUS_SLOTS
-  lines = input_pipeline.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
-  lines = lines[:translation.CONTINUOUS_SLOTS + 20] + ['']
-  config, tokenizer, model = translation.load_run(tiny_run)
-  translator = translation.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = translation.load_params(tiny_run, translator.mesh)
+  assert continuous['slots'] == translator_lib.CONTINUOUS_SLOTS
+  lines = text_io.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
+  lines = lines[:translator_lib.CONTINUOUS_SLOTS + 20] + ['']
+  config, tokenizer, model = runs.load_run(tiny_run)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
+  params, _ = runs.load_params(tiny_run, translator.mesh)
   expected = translator(params, lines)  # The batch search over the test's 8 devices.
 
   sys.path.insert(0, exported)

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-import glibc_malloc
+from nmt import glibc_malloc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +31,7 @@ def test_restart_sets_the_tunables_once_and_only_on_cpu(tmp_path, opt_out, platf
       import os, sys
       sys.path.insert(0, {ROOT!r})
       print('start', flush=True)
-      import glibc_malloc
+      from nmt import glibc_malloc
       glibc_malloc.reexec_with_malloc_settings()
       print('tunables', os.environ.get('GLIBC_TUNABLES', ''), 'args', sys.argv[1:])
       """))

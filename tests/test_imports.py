@@ -1,15 +1,19 @@
-"""The project's modules import each other without a cycle (read from their import statements)."""
+"""The project's layout holds: no import cycle, the model package free of file I/O and
+TensorFlow, the generic searches free of the Transformer and of CPU code, the library package
+free of the commands and recipes, and no library module over 500 lines."""
 
 import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMANDS = ('train', 'decode', 'export', 'serving', 'plot_attention', 'average')
+MAX_LINES = 500
 
 
 def module_names() -> dict[str, pathlib.Path]:
-  """'train', 'model.decoding', 'configs.tiny', ... -> file, for every project module."""
-  files = [*ROOT.glob('*.py'), *ROOT.glob('model/*.py'), *ROOT.glob('configs/*.py'),
-           *ROOT.glob('benchmarks/*.py')]
+  """'train', 'model.search', 'nmt.runs', 'configs.tiny', ... -> file, for every project module."""
+  files = [*ROOT.glob('*.py'), *ROOT.glob('model/**/*.py'), *ROOT.glob('nmt/*.py'),
+           *ROOT.glob('configs/*.py'), *ROOT.glob('benchmarks/*.py')]
   names = {}
   for path in files:
     parts = path.relative_to(ROOT).with_suffix('').parts
@@ -33,11 +37,14 @@ def imports_of(path: pathlib.Path, modules: dict[str, pathlib.Path]) -> set[str]
   return found
 
 
-def test_no_import_cycle_among_the_project_modules():
+def import_graph() -> dict[str, set[str]]:
   modules = module_names()
-  graph = {name: imports_of(path, modules) - {name} for name, path in modules.items()}
-  assert graph['decode'] and 'train' not in graph['decode']
-  assert 'train' not in graph['translation'] and 'decode' not in graph['train']
+  return {name: imports_of(path, modules) - {name} for name, path in modules.items()}
+
+
+def test_no_import_cycle_among_the_project_modules():
+  graph = import_graph()
+  assert graph['decode'] and 'train' not in graph['decode'] and 'decode' not in graph['train']
   state: dict[str, str] = {}
 
   def visit(name: str, trail: list[str]) -> None:
@@ -54,6 +61,31 @@ def test_no_import_cycle_among_the_project_modules():
 
 
 def test_the_model_package_has_no_file_io_or_tensorflow():
-  for path in ROOT.glob('model/*.py'):
+  for path in ROOT.glob('model/**/*.py'):
     text = path.read_text(encoding='utf-8')
     assert 'tensorflow' not in text and 'open(' not in text, path
+
+
+def test_generic_searches_import_neither_the_transformer_nor_cpu_code():
+  assert import_graph()['model.search'] <= {'model.tokens'}
+
+
+def test_libraries_import_no_command_recipe_or_pipeline():
+  graph = import_graph()
+  for name, targets in graph.items():
+    if name.startswith(('nmt', 'model')):
+      outside = {t for t in targets if not t.startswith(('nmt', 'model'))}
+      assert not outside, f'{name} imports {sorted(outside)}'
+
+
+def test_library_and_command_modules_stay_under_500_lines():
+  for name, path in module_names().items():
+    if name.startswith(('benchmarks', 'configs')) or name == 'input_pipeline':
+      continue
+    lines = len(path.read_text(encoding='utf-8').splitlines())
+    assert lines <= MAX_LINES, f'{path.relative_to(ROOT)}: {lines} lines'
+
+
+def test_the_root_holds_commands_and_the_design_card_only():
+  modules = {path.stem for path in ROOT.glob('*.py')}
+  assert modules == {*COMMANDS, 'input_pipeline'}, sorted(modules)

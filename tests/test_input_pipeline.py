@@ -22,6 +22,9 @@ import pytest
 
 import input_pipeline as ip
 from configs import multi30k
+from model import EOS_ID, PAD_ID, UNK_ID
+from nmt import batching, text_io
+from nmt import tokenizer as tokenizer_lib
 
 MULTI30K = Path(os.environ.get(ip.MULTI30K_ENV) or
                 Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k')
@@ -53,8 +56,8 @@ def small(tmp_path_factory):
   tmp = tmp_path_factory.mktemp('small')
   folder = tmp / 'data'
   for lang in ('en', 'de'):
-    _write(folder, f'train.{lang}', ip.read_lines(MULTI30K / f'train.{lang}')[:2000])
-    _write(folder, f'val.{lang}', ip.read_lines(MULTI30K / f'val.{lang}')[:100])
+    _write(folder, f'train.{lang}', text_io.read_lines(MULTI30K / f'train.{lang}')[:2000])
+    _write(folder, f'val.{lang}', text_io.read_lines(MULTI30K / f'val.{lang}')[:100])
   config = _config(tmp, folder)
   tokenizer = ip.load_or_train_tokenizer(config, str(tmp / 'work'))
   return config, tokenizer, ip.read_split(config, 'train')
@@ -66,14 +69,14 @@ def _unpack(batch):
     segs = {}
     for side in ('inputs', 'targets'):
       seg, pos, ids = (batch[side + k][r] for k in ('_segmentation', '_positions', ''))
-      assert np.all(ids[seg == 0] == ip.PAD_ID) and np.all(pos[seg == 0] == 0)
+      assert np.all(ids[seg == 0] == PAD_ID) and np.all(pos[seg == 0] == 0)
       n = int((seg > 0).sum())
       assert np.all(seg[n:] == 0), 'padding only at the end of a row'
       assert np.all(np.diff(seg[:n]) >= 0) and (n == 0 or seg[0] == 1)
       for s in np.unique(seg[:n]):
         m = seg == s
         assert np.array_equal(pos[m], np.arange(m.sum())), 'positions restart per segment'
-        assert ids[m][-1] == ip.EOS_ID and np.all(ids[m][:-1] != ip.EOS_ID)
+        assert ids[m][-1] == EOS_ID and np.all(ids[m][:-1] != EOS_ID)
         segs.setdefault(int(s), {})[side] = tuple(ids[m].tolist())
     for s in sorted(segs):
       assert set(segs[s]) == {'inputs', 'targets'}, 'segment ids shared by both sides'
@@ -110,20 +113,20 @@ def _same(a, b):
 @needs_multi30k
 def test_tokenizer_round_trip_without_unk(small):
   _, tokenizer, _ = small
-  texts = ip.read_lines(MULTI30K / 'test_2016_flickr.de')[:200] + [
+  texts = text_io.read_lines(MULTI30K / 'test_2016_flickr.de')[:200] + [
       'Ein Hund 🐕 läuft über die Straße.', '猫がマットの上に座っている。', 'Ça coûte 5 € — ok?',
       'Zwei  Leerzeichen', '']
   ids = tokenizer.encode(texts)
   assert tokenizer.vocab_size == 1000
   for text, x in zip(texts, ids, strict=True):
-    assert x.dtype == np.int32 and x[-1] == ip.EOS_ID
-    assert ip.UNK_ID not in x and ip.PAD_ID not in x
+    assert x.dtype == np.int32 and x[-1] == EOS_ID
+    assert UNK_ID not in x and PAD_ID not in x
     assert tokenizer.decode(x) == text
   padded = np.zeros((2, 40), np.int32)
   padded[0, :len(ids[0])] = ids[0]
   padded[1, :len(ids[-2])] = ids[-2]
   padded[1, len(ids[-2])] = 7  # Anything after EOS is ignored.
-  assert tokenizer.decode_batch(padded) == [texts[0], texts[-2]]
+  assert [tokenizer.decode(row) for row in padded] == [texts[0], texts[-2]]
 
 
 def _no_training(*args, **kwargs):
@@ -145,7 +148,7 @@ def test_tokenizer_deterministic_and_reused(small, tmp_path, monkeypatch):
   assert (tmp_path / 'c' / 'tokenizer.model').read_bytes() != bytes_a
   # An existing model of the configured size is reused: neither data nor trainer is touched.
   monkeypatch.setattr(ip, 'prepared_builder', _no_training)
-  monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, 'train', _no_training)
   reused = ip.load_or_train_tokenizer(config2, str(tmp_path / 'a'))
   assert reused.vocab_size == a.vocab_size == config.model.vocab_size
   assert (tmp_path / 'a' / 'tokenizer.model').read_bytes() == bytes_a
@@ -157,7 +160,7 @@ def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch
   path = tmp_path / 'tokenizer.model'
   path.write_bytes(tokenizer._sp.serialized_model_proto())
   monkeypatch.setattr(ip, 'prepared_builder', _no_training)
-  monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, 'train', _no_training)
   assert ip.load_or_train_tokenizer(config, str(tmp_path)).vocab_size == 1000
   other = config.copy_and_resolve_references()
   other.model.vocab_size = 600
@@ -172,7 +175,7 @@ def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkey
   monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
   monkeypatch.setattr(ip, 'WAIT_LOG_SECONDS', 0.1)
   monkeypatch.setattr(ip, 'tokenizer_sample', _no_training)
-  monkeypatch.setattr(ip.spm.SentencePieceTrainer, 'train', _no_training)
+  monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, 'train', _no_training)
   path = tmp_path / 'tokenizer.model'
   # Process 0 writes the model 0.5 s later (atomically, as load_or_train_tokenizer does).
   writer = threading.Timer(0.5, lambda: (
@@ -416,13 +419,6 @@ def test_streams_must_divide_batch_and_processes(small):
     ip.make_train_iterator(config, tokenizer, process_index=2, process_count=2)
 
 
-def test_rows_per_host():
-  assert ip.rows_per_host(32, 1) == 32
-  assert ip.rows_per_host(32, 4) == 8
-  with pytest.raises(ip.DataError, match='multiple of 3'):
-    ip.rows_per_host(32, 3)
-
-
 @needs_multi30k
 def test_deterministic_under_seed(small):
   config, tokenizer, _ = small
@@ -455,7 +451,7 @@ def test_errors_name_the_file(tmp_path):
   with pytest.raises(ValueError, match=r'train\.de:2: invalid UTF-8'):
     ip.read_split(config, 'train')
   with pytest.raises(ValueError, match=r'train\.de:2: invalid UTF-8'):
-    ip.read_lines(folder / 'train.de')
+    text_io.read_lines(folder / 'train.de')
   with pytest.raises(FileNotFoundError, match='nowhere'):
     ip.read_split(_config(tmp_path, tmp_path / 'nowhere'), 'train')
   config.data.dataset_name = 'no_such_dataset_xyz/de-en'
@@ -490,10 +486,10 @@ def test_multi30k_builder_local_copy(tmp_path, monkeypatch):
   for split, n in sizes.items():
     src, tgt = ip.read_split(config, split)
     assert len(src) == len(tgt) == n
-    assert src == [x.strip() for x in ip.read_lines(MULTI30K / f'{split}.en')]
-    assert tgt == [x.strip() for x in ip.read_lines(MULTI30K / f'{split}.de')]
+    assert src == [x.strip() for x in text_io.read_lines(MULTI30K / f'{split}.en')]
+    assert tgt == [x.strip() for x in text_io.read_lines(MULTI30K / f'{split}.de')]
   config.data.target_lang = 'fr'
-  assert ip.read_split(config, 'val')[1][0] == ip.read_lines(MULTI30K / 'val.fr')[0].strip()
+  assert ip.read_split(config, 'val')[1][0] == text_io.read_lines(MULTI30K / 'val.fr')[0].strip()
   # A local copy lacking files: the error lists what to put where.
   config.data.data_dir = str(tmp_path / 'tfds2')
   config.data.manual_dir = str(tmp_path / 'empty')
@@ -516,7 +512,7 @@ def test_multi30k_download_is_gunzipped_and_checked(tmp_path, monkeypatch):
   monkeypatch.setattr(ip.tfds.download.DownloadManager, 'download', fake)
   config = multi30k.get_config()
   config.data.data_dir = str(tmp_path / 'tfds')
-  assert ip.read_split(config, 'val')[0][:2] == ip.read_lines(MULTI30K / 'val.en')[:2]
+  assert ip.read_split(config, 'val')[0][:2] == text_io.read_lines(MULTI30K / 'val.en')[:2]
   # A corrupted download is refused.
   with gzip.open(gz_dir / 'val.de.gz', 'wb') as f:
     f.write(b'Falsch\n' * 1014)
@@ -546,14 +542,14 @@ def test_read_lines_from_stdin(monkeypatch):
       self.buffer = io.BytesIO(data)
 
   monkeypatch.setattr(sys, 'stdin', Stdin('a dog\r\n\nüber 🐕\nno newline'.encode()))
-  assert ip.read_lines('-') == ['a dog', '', 'über 🐕', 'no newline']
+  assert text_io.read_lines('-') == ['a dog', '', 'über 🐕', 'no newline']
   monkeypatch.setattr(sys, 'stdin', Stdin(b'one\n'))
-  assert ip.read_lines('-') == ['one']  # A final newline ends the last line, adds none.
+  assert text_io.read_lines('-') == ['one']  # A final newline ends the last line, adds none.
   monkeypatch.setattr(sys, 'stdin', Stdin(b''))
-  assert ip.read_lines('-') == []
+  assert text_io.read_lines('-') == []
   monkeypatch.setattr(sys, 'stdin', Stdin('x\nG\xfcnter\n'.encode('latin-1')))
   with pytest.raises(ip.DataError, match=r'stdin:2: invalid UTF-8'):
-    ip.read_lines('-')
+    text_io.read_lines('-')
 
 
 def test_read_lines_drops_a_byte_order_mark_and_reads_pipes(tmp_path):
@@ -561,25 +557,25 @@ def test_read_lines_drops_a_byte_order_mark_and_reads_pipes(tmp_path):
   translation; a pipe or process substitution (/dev/fd/N) was 'file not found'."""
   path = tmp_path / 'bom.txt'
   path.write_bytes(codecs.BOM_UTF8 + 'A dog.\n\ufeffkept\n'.encode())
-  assert ip.read_lines(path) == ['A dog.', '\ufeffkept']  # Only the file's first character.
+  assert text_io.read_lines(path) == ['A dog.', '\ufeffkept']  # Only the file's first character.
   read_end, write_end = os.pipe()
   os.write(write_end, codecs.BOM_UTF8 + b'one\ntwo\n')
   os.close(write_end)
   try:
-    assert ip.read_lines(f'/dev/fd/{read_end}') == ['one', 'two']
+    assert text_io.read_lines(f'/dev/fd/{read_end}') == ['one', 'two']
   finally:
     os.close(read_end)
   read_end, write_end = os.pipe()
   os.write(write_end, codecs.BOM_UTF8 + b'streamed\n')
   os.close(write_end)
   try:
-    assert list(ip.stream_lines(read_end)) == [['streamed']]
+    assert list(text_io.stream_lines(read_end)) == [['streamed']]
   finally:
     os.close(read_end)
   with pytest.raises(ip.MissingDataError, match='is a folder'):
-    ip.read_lines(tmp_path)
+    text_io.read_lines(tmp_path)
   with pytest.raises(ip.MissingDataError, match='file not found'):
-    ip.read_lines(tmp_path / 'missing.txt')
+    text_io.read_lines(tmp_path / 'missing.txt')
 
 
 def test_serving_reads_lines_as_decode_does(tmp_path):
@@ -592,7 +588,7 @@ def test_serving_reads_lines_as_decode_does(tmp_path):
   data = codecs.BOM_UTF8 + 'a\rb\r\n\n\u2028 c\x0b\nlast'.encode()
   path = tmp_path / 'lines.txt'
   path.write_bytes(data)
-  assert serving.read_lines(str(path)) == ip.read_lines(path) == ['a\rb', '', '\u2028 c\x0b',
+  assert serving.read_lines(str(path)) == text_io.read_lines(path) == ['a\rb', '', '\u2028 c\x0b',
                                                                    'last']
   streamed = []
   for module in (serving, ip):
@@ -603,7 +599,7 @@ def test_serving_reads_lines_as_decode_does(tmp_path):
       streamed.append([line for chunk in module.stream_lines(read_end) for line in chunk])
     finally:
       os.close(read_end)
-  assert streamed[0] == streamed[1] == ip.read_lines(path)
+  assert streamed[0] == streamed[1] == text_io.read_lines(path)
   path.write_bytes(b'fine\nG\xfcnter\n')
   errors = []
   for read in (serving.read_lines, ip.read_lines):
@@ -615,7 +611,7 @@ def test_serving_reads_lines_as_decode_does(tmp_path):
 
 def _seq(rng, n: int) -> np.ndarray:
   """n - 1 random non-special ids and EOS."""
-  return np.append(rng.integers(3, 100, size=n - 1), ip.EOS_ID).astype(np.int32)
+  return np.append(rng.integers(3, 100, size=n - 1), EOS_ID).astype(np.int32)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -638,10 +634,10 @@ def test_length_batches_cover_every_pair_within_budget(row_multiple):
 
   def expected(side, i, limit):
     x = originals[side][i]
-    return x if limit is None or len(x) <= limit else np.append(x[:limit - 1], ip.EOS_ID)
+    return x if limit is None or len(x) <= limit else np.append(x[:limit - 1], EOS_ID)
 
   for limit in (None, max_length):
-    batches = ip.length_batches(sides, budget, max_length=limit, row_multiple=row_multiple)
+    batches = batching.length_batches(sides, budget, max_length=limit, row_multiple=row_multiple)
     seen = np.concatenate([idx for idx, _ in batches])
     assert seen.dtype == np.int64 and sorted(seen.tolist()) == list(range(count))
     lone_oversize, previous_length = 0, 0
@@ -666,22 +662,22 @@ def test_length_batches_cover_every_pair_within_budget(row_multiple):
       for side, ids in arrays.items():
         for r, i in enumerate(idx):
           x = expected(side, i, limit)
-          assert np.array_equal(ids[r, :len(x)], x) and np.all(ids[r, len(x):] == ip.PAD_ID)
-        assert np.all(ids[len(idx):] == ip.PAD_ID)
+          assert np.array_equal(ids[r, :len(x)], x) and np.all(ids[r, len(x):] == PAD_ID)
+        assert np.all(ids[len(idx):] == PAD_ID)
       if limit is not None:
         assert length <= _round_up(limit, 8)
-        lengths = (arrays['inputs'][:len(idx)] != ip.PAD_ID).sum(1)
+        lengths = (arrays['inputs'][:len(idx)] != PAD_ID).sum(1)
         assert np.all(lengths <= limit)
     # Untruncated, the 300-token source is too long for any batch of 256 tokens.
     assert lone_oversize == (1 if limit is None else 0)
   # Truncation ends in EOS and happens on copies: the caller's sequences are unchanged.
   assert all(np.array_equal(a, b) for side in sides
              for a, b in zip(sides[side], originals[side], strict=True))
-  truncated = ip.length_batches(sides, budget, max_length=max_length)
+  truncated = batching.length_batches(sides, budget, max_length=max_length)
   for idx, arrays in truncated:
     for r, i in enumerate(idx):
       if i == count - 2:
-        assert arrays['inputs'][r, max_length - 1] == ip.EOS_ID
+        assert arrays['inputs'][r, max_length - 1] == EOS_ID
         assert np.array_equal(arrays['inputs'][r, :max_length - 1],
                               originals['inputs'][i][:max_length - 1])
 
@@ -689,7 +685,7 @@ def test_length_batches_cover_every_pair_within_budget(row_multiple):
 def test_length_batches_single_side_and_length_multiple():
   rng = np.random.default_rng(0)
   seqs = [_seq(rng, n) for n in (5, 17, 3, 16, 9)]
-  batches = ip.length_batches({'inputs': seqs}, max_batch_tokens=64, length_multiple=16)
+  batches = batching.length_batches({'inputs': seqs}, max_batch_tokens=64, length_multiple=16)
   # Within a padded length, shortest first (lengths 3, 5, 9, 16).
   assert [(idx.tolist(), a['inputs'].shape) for idx, a in batches] == [
       ([2, 0, 4, 3], (4, 16)), ([1], (1, 32))]
@@ -705,8 +701,8 @@ def test_multi30k_local_copy_is_prepared_again_when_its_files_change(tmp_path, m
   monkeypatch.setenv(ip.MULTI30K_ENV, str(local))
   config = multi30k.get_config()
   config.data.data_dir = str(tmp_path / 'tfds')
-  assert ip.read_split(config, 'val')[1][0] == ip.read_lines(MULTI30K / 'val.de')[0].strip()
-  lines = ip.read_lines(local / 'val.de')
+  assert ip.read_split(config, 'val')[1][0] == text_io.read_lines(MULTI30K / 'val.de')[0].strip()
+  lines = text_io.read_lines(local / 'val.de')
   (local / 'val.de').write_text('\n'.join(['Ein geänderter Satz.'] + lines[1:]) + '\n',
                                 encoding='utf-8')
   assert ip.read_split(config, 'val')[1][:2] == ['Ein geänderter Satz.', lines[1].strip()]

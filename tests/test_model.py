@@ -15,11 +15,11 @@ from model import (
   Transformer,
   TransformerConfig,
   count_params,
-  cpu_dropout,
-  cpu_layer_norm,
   sinusoidal_table,
 )
-from model import transformer as transformer_lib
+from model import config as config_lib
+from model.cpu import dropout as cpu_dropout
+from model.cpu import layer_norm as cpu_layer_norm
 
 VOCAB = 53
 
@@ -579,7 +579,7 @@ def test_explicit_attention_path_matches_fused(monkeypatch):
     calls.append(logits.shape)  # Proves this path is traced.
     return jax.nn.softmax(logits)
 
-  monkeypatch.setitem(transformer_lib.ATTENTION_PROBS, 'explicit_softmax', explicit_softmax)
+  monkeypatch.setitem(config_lib.ATTENTION_PROBS, 'explicit_softmax', explicit_softmax)
   fused_config = small_config()
   explicit_config = small_config(attention_probs='explicit_softmax')
   params = init_params(fused_config)

@@ -23,9 +23,10 @@ from model import (
   MultiHeadAttention,
   Transformer,
   TransformerConfig,
-  upgrade_params,
+  backend,
+  masks,
 )
-from model import transformer as transformer_lib
+from nmt.legacy import upgrade_params
 
 VOCAB = 41
 
@@ -103,7 +104,7 @@ def test_dropout_variants_drop_at_the_rate():
     apply = lambda seed, forward=forward: forward(jax.random.key(seed))
     first, again, other = apply(0), apply(0), apply(1)
     assert max_abs(first, again) == 0.0 and max_abs(first, other) > 1e-3
-    layer = transformer_lib.dropout(config, 0.3)
+    layer = backend.dropout(config, 0.3)
     out = np.asarray(layer.apply({}, jnp.ones((64, 64)), deterministic=False,
                                  rngs={'dropout': jax.random.key(0)}))
     assert 0.65 < (out != 0).mean() < 0.75
@@ -211,7 +212,7 @@ def test_positions_derived_from_segmentation_equal_explicit_ones():
   tgt = [pack([2, 5, 1], 9), pack([4, 4], 9)]
   (inputs, inputs_seg, inputs_pos), (targets, targets_seg, targets_pos) = (
       [np.stack(a) for a in zip(*side, strict=True)] for side in (src, tgt))
-  derived = np.asarray(transformer_lib.positions_from_segmentation(jnp.asarray(inputs_seg)))
+  derived = np.asarray(masks.positions_from_segmentation(jnp.asarray(inputs_seg)))
   real = inputs_seg > 0
   np.testing.assert_array_equal(derived[real], inputs_pos[real])
   packed = dict(inputs_segmentation=inputs_seg, targets_segmentation=targets_seg)

@@ -23,6 +23,9 @@ import cluster_launcher
 import numpy as np
 import pytest
 
+from nmt import runs, scoring
+from nmt import translator as translator_lib
+
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
 NEEDS_MULTI30K = ('needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these '
                   'machines)')
@@ -54,7 +57,7 @@ def params_at(workdir, step: int) -> dict[str, np.ndarray]:
   process, on one device)."""
   import jax
 
-  import checkpoints
+  from nmt import checkpoints
   params = checkpoints.restore_params(str(workdir), step)
   flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(params))
   return {jax.tree_util.keystr(path): np.asarray(leaf) for path, leaf in flat}
@@ -114,16 +117,15 @@ def test_two_processes_train_and_evaluate_like_one(tmp_path, two_process_run):
   import jax
 
   import input_pipeline
-  import sharding
-  import translation
-  config, tokenizer, model = translation.load_run(str(workdir))
+  from nmt import sharding
+  config, tokenizer, model = runs.load_run(str(workdir))
   mesh = sharding.make_mesh('', jax.devices()[:1])
-  params, _ = translation.load_params(str(workdir), mesh, 32)
+  params, _ = runs.load_params(str(workdir), mesh, 32)
   sources, references = input_pipeline.read_split(config, config.data.eval_split)
   count = config.eval.bleu_sentences
-  translations = translation.Translator(model, tokenizer, config.decode, mesh)(params,
+  translations = translator_lib.Translator(model, tokenizer, config.decode, mesh)(params,
                                                                                sources[:count])
-  scores = translation.score(translations, references[:count])
+  scores = scoring.score(translations, references[:count])
   logged = eval_rows(workdir)[32]
   assert scores['chrf'] > 0 and len(set(translations)) > count // 2  # Varied translations.
   for key in ('bleu', 'bleu_lowercase', 'chrf'):
@@ -273,7 +275,7 @@ WMT14_CONFIGS = {
 @pytest.mark.slow
 @pytest.mark.parametrize('config_name', sorted(WMT14_CONFIGS))
 def test_wmt14_config_trains_evaluates_and_decodes_on_two_processes(tmp_path, config_name):
-  import sharding
+  from nmt import sharding
   config = importlib.import_module(f'configs.{config_name}').get_config()
   assert config.data.dataset_name == WMT14  # The builder the processes mock.
   width, mesh = WMT14_CONFIGS[config_name]

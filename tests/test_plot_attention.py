@@ -9,10 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import checkpoints
 import plot_attention
-import translation
 from model import Transformer, TransformerConfig, sinusoidal_table
+from nmt import checkpoints, runs
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -21,7 +20,7 @@ def test_pictures_and_weights_of_a_trained_run(tiny_run, tmp_path):
   sentences = ['A man is riding a bike .', 'Two dogs play in the snow .']
   targets = ['Ein Mann fährt Fahrrad .', 'Zwei Hunde spielen im Schnee .']
   written = plot_attention.plot(tiny_run, sentences, str(tmp_path), targets=targets)
-  config, tokenizer, model = translation.load_run(tiny_run)
+  config, tokenizer, model = runs.load_run(tiny_run)
   layers = config.model.num_encoder_layers
   assert len(written) == len(sentences) * (3 * layers + 2)
   assert all(os.path.getsize(path) > 1000 for path in written)

@@ -13,11 +13,11 @@ import pytest
 from test_decoding import ALPHA, check_well_formed, forward_log_probs, jitted, output_lengths
 from test_train import needs_multi30k, small_config
 
-import checkpoints
 import decode
 import plot_attention
 import train
 from model import EOS_ID, RNN, RNNConfig, length_penalty, make_model, transformer_beam_search
+from nmt import checkpoints
 
 VOCAB = 31
 EOS_BIAS = -5.0  # With the weights doubled, EOS is rare but not absent.

@@ -14,11 +14,10 @@ import cluster_launcher
 import jax
 import pytest
 
-import checkpoints
-import sharding
 import train
-import translation
 from configs import tiny
+from nmt import checkpoints, runs, sharding
+from nmt import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -52,10 +51,10 @@ def run(script: str, *args: str, devices: int) -> str:
 
 def decode_on(workdir: str, num_devices: int, checkpoint: str | None = None) -> list[str]:
   """Translations of SOURCES on a mesh of this process's first `num_devices` devices."""
-  config, tokenizer, model = translation.load_run(workdir)
+  config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh('', jax.devices()[:num_devices])
-  translator = translation.Translator(model, tokenizer, config.decode, mesh)
-  params, _ = translation.load_params(workdir, mesh, checkpoint)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, mesh)
+  params, _ = runs.load_params(workdir, mesh, checkpoint)
   assert {d.id for d in jax.tree_util.tree_leaves(params)[0].devices()} == {
       d.id for d in mesh.devices.flat}
   return translator(params, SOURCES)

@@ -12,11 +12,20 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import checkpoints
-import sharding
+import input_pipeline
 import train
 from configs import tiny
 from model import Transformer, TransformerConfig
+from nmt import (
+    batching,
+    checkpoints,
+    config_check,
+    evaluation,
+    loop_control,
+    metrics,
+    optimization,
+    sharding,
+)
 
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
 needs_multi30k = pytest.mark.skipif(
@@ -39,7 +48,7 @@ def small_config(overrides: dict | None = None):
 
 def random_batch(rng, rows, length, vocab, packed=True):
   """A packed batch: two segments per row of random lengths, then padding."""
-  batch = {k: np.zeros((rows, length), np.int32) for k in train.BATCH_KEYS}
+  batch = {k: np.zeros((rows, length), np.int32) for k in input_pipeline.FEATURE_KEYS}
   for row in range(rows):
     for side in ('inputs', 'targets'):
       first, second = rng.integers(2, length // 2, size=2) if packed else (length - 3, 0)
@@ -59,7 +68,7 @@ def random_batch(rng, rows, length, vocab, packed=True):
 def test_schedule_matches_the_paper_formula():
   config = small_config({'model.d_model': 512, 'optimizer.warmup_steps': 4000,
                          'optimizer.learning_rate_scale': 1.0})
-  schedule = train.learning_rate_schedule(config)
+  schedule = optimization.learning_rate_schedule(config)
   for step in (1, 100, 3999, 4000, 4001, 20000, 100000):
     expected = 512**-0.5 * min(step**-0.5, step * 4000**-1.5)
     assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
@@ -67,16 +76,16 @@ def test_schedule_matches_the_paper_formula():
   assert float(schedule(3999)) > float(schedule(2000))
   assert float(schedule(3999)) > float(schedule(8000))
   config.optimizer.learning_rate_scale = 2.0
-  assert float(train.learning_rate_schedule(config)(99)) == pytest.approx(
+  assert float(optimization.learning_rate_schedule(config)(99)) == pytest.approx(
       2 * 512**-0.5 * 100 * 4000**-1.5, rel=1e-5)
 
 
 def test_cooldown_ramps_the_paper_rate_down_to_zero_at_the_last_step():
   config = small_config({'model.d_model': 256, 'optimizer.warmup_steps': 100,
                          'num_train_steps': 1000, 'optimizer.cooldown_steps': 400})
-  schedule = train.learning_rate_schedule(config)
+  schedule = optimization.learning_rate_schedule(config)
   config.optimizer.cooldown_steps = 0
-  paper = train.learning_rate_schedule(config)
+  paper = optimization.learning_rate_schedule(config)
   for count in (0, 50, 99, 300, 599):  # Steps 1..600: the paper's rate.
     assert float(schedule(count)) == pytest.approx(float(paper(count)), rel=1e-6)
   for step in (601, 700, 800, 999, 1000):  # Then the factor (1001 - step) / 400.
@@ -97,9 +106,9 @@ def test_optimizer_clips_before_adam_and_decays_only_matrices():
   # A huge first gradient, then a small one: clipping changes Adam's moments (their ratio).
   gradients = [jax.tree_util.tree_map(lambda x, s=s: s * jnp.asarray(
       rng.normal(size=x.shape), jnp.float32), params) for s in (300.0, 0.01)]
-  optimizer = train.make_optimizer(config)
+  optimizer = optimization.make_optimizer(config)
   opt_state = optimizer.init(params)
-  schedule = train.learning_rate_schedule(config)
+  schedule = optimization.learning_rate_schedule(config)
   m = v = jax.tree_util.tree_map(np.zeros_like, params)
   for t, grads in enumerate(gradients, start=1):
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -116,10 +125,10 @@ def test_optimizer_clips_before_adam_and_decays_only_matrices():
   # matrices and nothing on biases and LayerNorm scales.
   config = small_config({'model.d_model': 64, 'optimizer.warmup_steps': 10,
                          'optimizer.learning_rate_scale': 1.0, 'optimizer.weight_decay': 0.1})
-  optimizer = train.make_optimizer(config)
+  optimizer = optimization.make_optimizer(config)
   zeros = jax.tree_util.tree_map(jnp.zeros_like, params)
   updates, _ = optimizer.update(zeros, optimizer.init(params), params)
-  lr = float(train.learning_rate_schedule(config)(0))
+  lr = float(optimization.learning_rate_schedule(config)(0))
   np.testing.assert_allclose(updates['dense']['kernel'], -lr * 0.1 * params['dense']['kernel'],
                              rtol=1e-5)
   np.testing.assert_array_equal(updates['dense']['bias'], 0.0)
@@ -150,7 +159,7 @@ def test_label_smoothed_loss_matches_explicit_smoothed_targets():
   targets = rng.integers(3, vocab, (2, 5))
   targets[0, :3] = logits[0, :3].argmax(-1)  # Some correct predictions for the accuracy count.
   weights = (rng.random((2, 5)) > 0.3).astype(np.float32)
-  sums = train.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights),
+  sums = optimization.cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(weights),
                              smoothing)
   log_probs = jax.nn.log_softmax(jnp.asarray(logits, jnp.float64) if jax.config.x64_enabled
                                  else jnp.asarray(logits))
@@ -170,12 +179,13 @@ def _setup(config, devices, vocab=40):
   config.model.vocab_size = vocab
   mesh = sharding.make_mesh(config.mesh_shape, devices)
   model = Transformer(TransformerConfig(**config.model))
-  optimizer = train.make_optimizer(config)
-  init = jax.tree_util.Partial(train.init_train_state, model, optimizer)
+  optimizer = optimization.make_optimizer(config)
+  init = jax.tree_util.Partial(optimization.init_train_state, model, optimizer)
   abstract = jax.eval_shape(init, jax.random.PRNGKey(0))
   shardings = sharding.state_shardings(abstract, mesh)
   state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(0))
-  step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
+  step_fn, batch_sharding = optimization.compile_train_step(config, model, optimizer, mesh,
+                                                            shardings)
   return state, step_fn, batch_sharding
 
 
@@ -300,14 +310,14 @@ def test_learning_rate_follows_the_step_through_skipped_updates():
   applied one."""
   config = small_config()
   state, step_fn, batch_sharding = _setup(config, jax.devices()[:1])
-  schedule = train.learning_rate_schedule(config)
+  schedule = optimization.learning_rate_schedule(config)
   batch = random_batch(np.random.default_rng(4), 16, 24, 40)
   batch['targets'][0, 0] = 5
   good_row = np.asarray(state['params']['embed']['embedding'][5])
   state['params']['embed']['embedding'] = state['params']['embed']['embedding'].at[5].set(jnp.nan)
   state, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
   assert not bool(metrics['finite'])
-  assert int(train.schedule_count(state['opt_state'])) == int(state['step']) == 1
+  assert int(optimization.schedule_count(state['opt_state'])) == int(state['step']) == 1
   assert float(metrics['learning_rate']) == pytest.approx(float(schedule(0)))
   state['params']['embed']['embedding'] = state['params']['embed']['embedding'].at[5].set(
       good_row)
@@ -326,11 +336,11 @@ def test_learning_rate_follows_the_step_through_skipped_updates():
 
 def test_nonfinite_streak_check_sees_streaks_that_ended_between_checks():
   counters = lambda *values: [{'nonfinite_in_a_row': np.int32(v)} for v in values]
-  train.check_nonfinite_streak(counters(0, 1, 2, 0, 1), limit=3, step=5)  # Below the limit.
+  metrics.check_nonfinite_streak(counters(0, 1, 2, 0, 1), limit=3, step=5)  # Below the limit.
   with pytest.raises(FloatingPointError, match='3 consecutive steps'):
-    train.check_nonfinite_streak(counters(0, 1, 2, 3, 0, 0), limit=3, step=6)  # Over by now.
+    metrics.check_nonfinite_streak(counters(0, 1, 2, 3, 0, 0), limit=3, step=6)  # Over by now.
   with pytest.raises(FloatingPointError, match='4 consecutive'):
-    train.check_nonfinite_streak(counters(4), limit=3, step=9)  # Carried over from before.
+    metrics.check_nonfinite_streak(counters(4), limit=3, step=9)  # Carried over from before.
 
 
 def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
@@ -349,26 +359,27 @@ def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
 
 def test_bad_config_errors_before_compiling():
   mesh = sharding.make_mesh('')
-  with pytest.raises(train.ConfigError, match='divide over'):
-    train.validate_config(small_config({'data.batch_size': 12}), mesh)
+  with pytest.raises(config_check.ConfigError, match='divide over'):
+    config_check.validate_config(small_config({'data.batch_size': 12}), mesh)
   with pytest.raises(sharding.MeshError, match='mesh_shape'):
     sharding.make_mesh('data:3')
-  with pytest.raises(train.ConfigError, match='dtype'):
-    train.validate_config(small_config({'model.dtype': 'no_such_dtype'}), mesh)
-  with pytest.raises(train.ConfigError, match='num_heads'):
-    train.validate_config(small_config({'model.num_heads': 3}), mesh)
-  with pytest.raises(train.ConfigError, match='learning_rate_scale'):
-    train.validate_config(small_config({'optimizer.learning_rate_scale': float('nan')}), mesh)
-  with pytest.raises(train.ConfigError, match='batch_size must be positive'):
-    train.validate_config(small_config({'data.batch_size': 0}), mesh)
+  with pytest.raises(config_check.ConfigError, match='dtype'):
+    config_check.validate_config(small_config({'model.dtype': 'no_such_dtype'}), mesh)
+  with pytest.raises(config_check.ConfigError, match='num_heads'):
+    config_check.validate_config(small_config({'model.num_heads': 3}), mesh)
+  with pytest.raises(config_check.ConfigError, match='learning_rate_scale'):
+    config_check.validate_config(
+        small_config({'optimizer.learning_rate_scale': float('nan')}), mesh)
+  with pytest.raises(config_check.ConfigError, match='batch_size must be positive'):
+    config_check.validate_config(small_config({'data.batch_size': 0}), mesh)
   for change, message in (({'decode.beam_size': 0}, 'beam_size must be positive'),
                           ({'decode.beam_size': 401}, 'exceeds the vocabulary'),
                           ({'eval.bleu_sentences': -1}, 'bleu_sentences'),
                           ({'optimizer.label_smoothing': 1.0}, 'label_smoothing'),
                           ({'keep_checkpoints': 0}, 'keep_checkpoints'),
                           ({'data.max_length': 0}, 'max_length')):
-    with pytest.raises(train.ConfigError, match=message):
-      train.validate_config(small_config(change), mesh)
+    with pytest.raises(config_check.ConfigError, match=message):
+      config_check.validate_config(small_config(change), mesh)
 
 
 # --------------------------------------------------------------- full runs on real data
@@ -384,9 +395,13 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   """With the moving average of the parameters and the keep-best / early-stopping state.
   Also: metrics.jsonl holds each step once. Before, the rows of steps after the last
   checkpoint were written again by the resumed run."""
-  real_evaluate = train.evaluate  # On two validation batches: the test is about resuming.
-  monkeypatch.setattr(train, 'evaluate', lambda fn, params, batches, mesh: real_evaluate(
-      fn, params, batches[:2], mesh))
+  real_init = evaluation.Evaluator.__init__
+
+  def two_batches(self, *args, **kwargs):  # On two validation batches: the test is on resuming.
+    real_init(self, *args, **kwargs)
+    self.batches = self.batches[:2]
+
+  monkeypatch.setattr(evaluation.Evaluator, '__init__', two_batches)
   config = small_config({'model.dropout_rate': 0.1, 'eval.bleu_sentences': 0,
                          'num_train_steps': 16, 'checkpoint_every_steps': 4,
                          'eval.every_steps': 4, 'optimizer.ema_decay': 0.9,
@@ -453,13 +468,13 @@ def test_a_time_budget_is_decided_by_process_0_at_logging_steps(monkeypatch):
   """Several processes stop at one step: only logging steps check, with process 0's clock."""
   monkeypatch.setattr(jax, 'process_count', lambda: 2)
   broadcasts = []
-  monkeypatch.setattr(train.multihost_utils, 'broadcast_one_to_all',
+  monkeypatch.setattr(loop_control.multihost_utils, 'broadcast_one_to_all',
                       lambda x: broadcasts.append(x) or x)
-  clock = train.TrainingClock(seconds_before=120.0)
-  assert not train.out_of_training_time(clock, 1.0, 7, log_step=False) and not broadcasts
-  assert train.out_of_training_time(clock, 1.0, 10, log_step=True) and len(broadcasts) == 1
-  assert not train.out_of_training_time(clock, 10.0, 20, log_step=True)
-  assert not train.out_of_training_time(clock, 0.0, 30, log_step=True)  # No limit.
+  clock = loop_control.TrainingClock(seconds_before=120.0)
+  assert not loop_control.out_of_training_time(clock, 1.0, 7, log_step=False) and not broadcasts
+  assert loop_control.out_of_training_time(clock, 1.0, 10, log_step=True) and len(broadcasts) == 1
+  assert not loop_control.out_of_training_time(clock, 10.0, 20, log_step=True)
+  assert not loop_control.out_of_training_time(clock, 0.0, 30, log_step=True)  # No limit.
 
 
 @needs_multi30k
@@ -529,9 +544,8 @@ def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog
   # Two BLEU evaluations, one search program per source-length bucket: the second compiles
   # nothing (a search rebuilt per call would build every bucket's program again).
   translator = result['translator']
-  buckets = {arrays['inputs'].shape for _, arrays in train.input_pipeline.length_batches(
-      {'inputs': translator.tokenizer.encode(
-          train.input_pipeline.read_split(config, 'val')[0][:8])},
+  buckets = {arrays['inputs'].shape for _, arrays in batching.length_batches(
+      {'inputs': translator.tokenizer.encode(input_pipeline.read_split(config, 'val')[0][:8])},
       config.decode.batch_tokens, config.model.max_len)}
   assert translator.compiles == len(buckets)
 
@@ -572,12 +586,11 @@ def test_killed_run_resumes_to_the_same_parameters(tmp_path):
 
 def test_training_clock_leaves_out_paused_time(monkeypatch):
   now = [1000.0]
-  monkeypatch.setattr(train.time, 'time', lambda: now[0])
-  clock = train.TrainingClock(seconds_before=60.0)
+  monkeypatch.setattr(loop_control.time, 'time', lambda: now[0])
+  clock = loop_control.TrainingClock(seconds_before=60.0)
   now[0] += 30
-  clock.pause()
-  now[0] += 100  # Validation.
-  assert clock.seconds() == 90.0
-  clock.resume()
+  with clock.paused():
+    now[0] += 100  # Validation.
+    assert clock.seconds() == 90.0
   now[0] += 30
   assert clock.seconds() == 120.0 and clock.minutes() == 2.0

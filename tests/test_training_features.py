@@ -9,21 +9,21 @@ import numpy as np
 import pytest
 from test_train import _assert_trees_close, needs_multi30k, random_batch, small_config
 
-import checkpoints
-import sharding
 import train
 from model import Transformer, TransformerConfig
+from nmt import checkpoints, config_check, evaluation, optimization, sharding
 
 
 def test_ema_follows_its_formula_step_by_step():
   config = small_config({'optimizer.ema_decay': 0.8, 'model.vocab_size': 40})
   mesh = sharding.make_mesh('')
   model = Transformer(TransformerConfig(**config.model))
-  optimizer = train.make_optimizer(config)
-  init = functools.partial(train.init_train_state, model, optimizer, ema=True)
+  optimizer = optimization.make_optimizer(config)
+  init = functools.partial(optimization.init_train_state, model, optimizer, ema=True)
   shardings = sharding.state_shardings(jax.eval_shape(init, jax.random.PRNGKey(0)), mesh)
   state = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(0))
-  step_fn, batch_sharding = train.compile_train_step(config, model, optimizer, mesh, shardings)
+  step_fn, batch_sharding = optimization.compile_train_step(config, model, optimizer, mesh,
+                                                            shardings)
   expected = jax.device_get(state['params'])
   rng = np.random.default_rng(0)
   for step in range(1, 5):
@@ -52,8 +52,8 @@ def test_training_feature_config_errors():
                           ({'optimizer.cooldown_steps': -1}, 'cooldown_steps must be in'),
                           ({'max_train_minutes': -5.0}, 'max_train_minutes must be'),
                           ({'max_train_minutes': float('inf')}, 'max_train_minutes must be')):
-    with pytest.raises(train.ConfigError, match=message):
-      train.validate_config(small_config(change), mesh)
+    with pytest.raises(config_check.ConfigError, match=message):
+      config_check.validate_config(small_config(change), mesh)
 
 
 @needs_multi30k
@@ -61,15 +61,16 @@ def test_early_stop_after_patience_evaluations_is_reproducible(tmp_path, monkeyp
   """Validation losses rigged to improve until step 4, then get worse: with patience 2 and an
   evaluation every 2 steps, training stops at step 8, best at step 4; a rerun stays stopped."""
   losses = {2: 3.0, 4: 2.5, 6: 2.6, 8: 2.55, 10: 2.0}
-  real_evaluate = train.evaluate
+  real_loss = evaluation.Evaluator.loss
   steps_seen = []
 
-  def rigged(eval_fn, params, batches, mesh):
-    metrics = real_evaluate(eval_fn, params, batches[:1], mesh)
+  def rigged(self, params):
+    self.batches = self.batches[:1]
+    metrics = real_loss(self, params)
     steps_seen.append(len(steps_seen) * 2 + 2)
     return dict(metrics, eval_nll=losses[steps_seen[-1]])
 
-  monkeypatch.setattr(train, 'evaluate', rigged)
+  monkeypatch.setattr(evaluation.Evaluator, 'loss', rigged)
   config = small_config({'num_train_steps': 20, 'checkpoint_every_steps': 4,
                          'eval.every_steps': 2, 'eval.bleu_sentences': 0,
                          'eval.keep_best_metric': 'loss', 'eval.early_stopping_patience': 2})

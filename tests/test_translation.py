@@ -1,4 +1,4 @@
-"""translation.py: runs written by earlier versions, the Translator's compiled search, scores."""
+"""Runs written by earlier versions (nmt/legacy.py), the Translator's compiled search, scores."""
 
 import json
 import os
@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 import model as model_lib
-import sharding
-import translation
 from configs import multi30k
+from model.cpu import continuous_batching
+from nmt import legacy, runs, sharding
+from nmt import translator as translator_lib
 
 # A tiny run (20k parameters, 10 steps) written by the code before configs had groups: its
 # flat config.json, tokenizer, checkpoint, the logits its model gave for one sentence pair and
@@ -25,7 +26,7 @@ LEGACY_SOURCES = ['A man rides a bike down the street.', 'Two dogs play in the s
 def test_flat_config_of_an_older_run_maps_to_the_groups():
   saved = json.loads((LEGACY_RUN / 'config.json').read_text(encoding='utf-8'))
   assert 'model' not in saved and 'model_max_len' in saved
-  config = translation.upgrade_config(saved)
+  config = legacy.upgrade_config(saved)
   assert config.model.max_len == saved['model_max_len'] == 128
   assert config.model.vocab_size == saved['vocab_size']
   assert config.data.max_length == saved['max_length']
@@ -33,22 +34,24 @@ def test_flat_config_of_an_older_run_maps_to_the_groups():
   assert config.decode.alpha == saved['length_penalty_alpha']
   assert config.eval.bleu_sentences == saved['num_eval_bleu_sentences']
   assert config.optimizer.learning_rate_scale == saved['learning_rate_scale']
-  # Fields the old config did not have take today's defaults.
-  assert config.model.activation == multi30k.get_config().model.activation
+  # Fields the old config did not have take the model's defaults; decoding gets the settings
+  # it ran with.
+  assert model_lib.make_model(config.model).config.activation == 'relu'
+  assert config.decode.stopping == 'exact' and config.decode.min_length == 1
   with pytest.raises(ValueError, match='no_such_key'):
-    translation.upgrade_config({**saved, 'no_such_key': 1})
+    legacy.upgrade_config({**saved, 'no_such_key': 1})
 
 
 def test_an_older_run_gives_the_same_logits_and_translations():
-  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  config, tokenizer, model = runs.load_run(str(LEGACY_RUN))
   mesh = sharding.make_mesh()
-  params, origin = translation.load_params(str(LEGACY_RUN), mesh)
+  params, origin = runs.load_params(str(LEGACY_RUN), mesh)
   assert origin == 'step 10'
   expected = np.load(LEGACY_RUN / 'legacy_logits.npz')
   logits = model.apply({'params': params}, jnp.asarray(expected['inputs']),
                        jnp.asarray(expected['targets']))
   np.testing.assert_allclose(logits, expected['logits'], atol=1e-5, rtol=1e-5)
-  translator = translation.Translator(model, tokenizer, config.decode, mesh)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, mesh)
   hypotheses = (LEGACY_RUN / 'legacy_hyp.txt').read_text(encoding='utf-8').split('\n')[:-1]
   assert translator(params, LEGACY_SOURCES) == hypotheses
 
@@ -58,12 +61,12 @@ def test_translator_compiles_once_per_length_bucket_and_checks_nbest():
   config.model.update(vocab_size=400, d_model=32, num_heads=2, d_ff=64, num_encoder_layers=1,
                       num_decoder_layers=1)
   transformer = model_lib.Transformer(model_lib.TransformerConfig(**config.model))
-  _, tokenizer, _ = translation.load_run(str(LEGACY_RUN))  # Any 400-piece tokenizer.
+  _, tokenizer, _ = runs.load_run(str(LEGACY_RUN))  # Any 400-piece tokenizer.
   dummy = jnp.ones((1, 4), jnp.int32)
   params = transformer.init(jax.random.key(0), dummy, dummy)['params']
-  translator = translation.Translator(transformer, tokenizer, config.decode,
+  translator = translator_lib.Translator(transformer, tokenizer, config.decode,
                                       sharding.make_mesh(), batch_tokens=16)
-  params = translator.place(params)
+  params = jax.device_put(params, sharding.replicated(sharding.make_mesh()))
   sources = ['A dog.', 'Two men are walking along a long sandy beach at sunset today.', '']
   first = translator(params, sources)
   compiles = translator.compiles
@@ -82,21 +85,21 @@ def test_translator_compiles_once_per_length_bucket_and_checks_nbest():
   assert all(not future.cancelled() for future in translator._programs.values())
   assert translator(params, longer)[:3] == first
   with pytest.raises(ValueError, match='nbest'):
-    translation.Translator(transformer, tokenizer, config.decode, sharding.make_mesh(), nbest=5)
+    translator_lib.Translator(transformer, tokenizer, config.decode, sharding.make_mesh(), nbest=5)
 
 
 def test_continuous_batching_translates_as_the_batch_search(monkeypatch):
   """More sentences than slots on one CPU device: the Translator decodes them with continuous
   batching (one search for the lot), with the batch search's translations and nbest lists."""
-  monkeypatch.setattr(translation, 'CONTINUOUS_SLOTS', 4)
-  monkeypatch.setattr(translation, 'CONTINUOUS_REFILL', 2)
-  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  monkeypatch.setattr(translator_lib, 'CONTINUOUS_SLOTS', 4)
+  monkeypatch.setattr(translator_lib, 'CONTINUOUS_REFILL', 2)
+  config, tokenizer, model = runs.load_run(str(LEGACY_RUN))
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  params, _ = translation.load_params(str(LEGACY_RUN), mesh)
+  params, _ = runs.load_params(str(LEGACY_RUN), mesh)
   sources = LEGACY_SOURCES * 3 + ['', 'A dog runs.', 'Two men are walking along a beach.']
   results = {}
   for continuous in (True, False):
-    translator = translation.Translator(model, tokenizer, config.decode, mesh, nbest=2)
+    translator = translator_lib.Translator(model, tokenizer, config.decode, mesh, nbest=2)
     assert translator._continuous  # One CPU device, no ensemble, prefixes or details.
     translator._continuous = continuous
     results[continuous] = translator(params, sources)
@@ -108,11 +111,11 @@ def test_continuous_batching_translates_as_the_batch_search(monkeypatch):
 
 def test_continuous_queues_take_every_sentence_once_longest_first_within_the_budget(
     monkeypatch):
-  monkeypatch.setattr(translation, 'CONTINUOUS_SLOTS', 4)
-  monkeypatch.setattr(translation, 'CONTINUOUS_QUEUE_TOKENS', 64)
+  monkeypatch.setattr(translator_lib, 'CONTINUOUS_SLOTS', 4)
+  monkeypatch.setattr(translator_lib, 'CONTINUOUS_QUEUE_TOKENS', 64)
   rng = np.random.default_rng(0)
   sources = [rng.integers(3, 50, size=n).astype(np.int32) for n in rng.integers(1, 20, 30)]
-  queues = translation.continuous_queues(sources)
+  queues = translator_lib.continuous_queues(sources)
   taken = np.concatenate([indices for indices, _ in queues])
   assert sorted(taken.tolist()) == list(range(30)) and len(queues) > 1
   lengths = [len(sources[i]) for i in taken]
@@ -131,9 +134,9 @@ def test_continuous_queues_take_every_sentence_once_longest_first_within_the_bud
 def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch):
   """A search exported to the compilation cache is found again only by a Translator that
   would trace the same program: another beam, argument signature or code is another file."""
-  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  config, tokenizer, model = runs.load_run(str(LEGACY_RUN))
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  make = lambda **settings: translation.Translator(model, tokenizer, config.decode, mesh,
+  make = lambda **settings: translator_lib.Translator(model, tokenizer, config.decode, mesh,
                                                    **settings)
   first, again, beam_2 = make(), make(), make(beam_size=2)
   path = first._exported_path(first._search, 'signature')
@@ -142,7 +145,7 @@ def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch)
   assert beam_2._exported_path(beam_2._search, 'signature') != path
   assert first._exported_path(first._search, 'another signature') != path
   assert first._exported_path(first._continuous_search, 'signature') != path
-  monkeypatch.setattr(model_lib.continuous_batching, 'FIRST_CHUNK_LENGTH', 4)
+  monkeypatch.setattr(continuous_batching, 'FIRST_CHUNK_LENGTH', 4)
   assert first._exported_path(first._search, 'signature') != path
   monkeypatch.undo()
   assert first._exported_path(first._search, 'signature') == path
@@ -153,15 +156,15 @@ def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch)
 def test_a_search_loaded_from_its_export_translates_as_a_traced_one(monkeypatch, caplog):
   """The first Translator exports its searches, a second loads them (no tracing), a damaged
   export is exported again: every one translates as the search traced without a cache."""
-  config, tokenizer, model = translation.load_run(str(LEGACY_RUN))
+  config, tokenizer, model = runs.load_run(str(LEGACY_RUN))
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  params, _ = translation.load_params(str(LEGACY_RUN), mesh)
+  params, _ = runs.load_params(str(LEGACY_RUN), mesh)
   sources = LEGACY_SOURCES + ['A dog.', 'Two men walk along a long sandy beach at sunset '
                                         'with their three dogs and a small red ball.']
-  make = lambda: translation.Translator(model, tokenizer, config.decode, mesh, nbest=2,
+  make = lambda: translator_lib.Translator(model, tokenizer, config.decode, mesh, nbest=2,
                                         alpha=0.3, batch_tokens=16)  # Settings no other test uses.
   with monkeypatch.context() as patch:
-    patch.setattr(translation.Translator, '_exported_path', lambda *args: None)
+    patch.setattr(translator_lib.Translator, '_exported_path', lambda *args: None)
     traced = make()(params, sources)
   caplog.set_level('INFO')
   exporting = make()

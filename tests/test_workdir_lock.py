@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-import workdir_lock
-from workdir_lock import WorkdirLock, WorkdirLockedError
+from nmt import workdir_lock
+from nmt.workdir_lock import WorkdirLock, WorkdirLockedError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -194,7 +194,7 @@ def test_concurrent_threads_exactly_one_wins(tmp_path, caplog, existing):
 
 _STARTER = """
 import sys, time
-import workdir_lock
+from nmt import workdir_lock
 workdir, at = sys.argv[1], float(sys.argv[2])
 time.sleep(max(at - time.time() - 0.05, 0))
 while time.time() < at:  # All at once.

@@ -1,17 +1,12 @@
-"""A trained run, loaded and translating: shared by train.py (validation BLEU) and decode.py.
-
-`load_run` reads a workdir's config, tokenizer and model; `load_params` its parameters, straight
-into the layout of the devices at hand; `Translator` turns text into translations with a beam
-search that is compiled once per source-length bucket and reused for every later call; `score`
-gives sacreBLEU and chrF.
-"""
+"""Text in, translations out: the `Translator` runs a run's beam search over length-sorted
+batches split over a mesh's devices, each batch shape's program compiled once and reused by
+every later call."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
 import hashlib
-import json
 import os
 import sys
 import time
@@ -22,113 +17,21 @@ import jax
 import jaxlib
 import ml_collections
 import numpy as np
-import sacrebleu
 from absl import logging
 from jax import export
 from jax.sharding import Mesh
 
-import checkpoints
-import console
-import input_pipeline
-import sharding
-from configs import multi30k
 from model import (
-    EOS_ID,
-    PAD_ID,
-    Transformer,
-    make_model,
-    transformer_beam_search,
-    transformer_ensemble_beam_search,
-    upgrade_params,
+  EOS_ID,
+  PAD_ID,
+  Transformer,
+  transformer_beam_search,
+  transformer_continuous_beam_search,
+  transformer_ensemble_beam_search,
 )
-from model.continuous_batching import transformer_continuous_beam_search
-from model.decoding import STOPPING_RULES, check_alpha
-
-# config.json of runs written before the config had groups: old key -> (group, key).
-_LEGACY_KEYS = {
-    **{k: ('data', k) for k in (
-        'dataset_name', 'data_dir', 'manual_dir', 'source_lang', 'target_lang', 'train_split',
-        'eval_split', 'test_split', 'spm_sample_size', 'max_length', 'batch_size',
-        'shuffle_buffer')},
-    **{k: ('model', k) for k in (
-        'vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_encoder_layers', 'num_decoder_layers',
-        'dropout_rate', 'attention_dropout_rate', 'share_embeddings', 'pre_norm', 'positional',
-        'dtype')},
-    'model_max_len': ('model', 'max_len'),
-    **{k: ('optimizer', k) for k in (
-        'warmup_steps', 'learning_rate_scale', 'adam_b1', 'adam_b2', 'adam_eps', 'weight_decay',
-        'grad_clip_norm', 'label_smoothing', 'grad_accum_steps', 'max_consecutive_nonfinite')},
-    'eval_every_steps': ('eval', 'every_steps'),
-    'bleu_every_steps': ('eval', 'bleu_every_steps'),
-    'num_eval_bleu_sentences': ('eval', 'bleu_sentences'),
-    'beam_size': ('decode', 'beam_size'),
-    'length_penalty_alpha': ('decode', 'alpha'),
-    'max_decode_extra_length': ('decode', 'max_extra_length'),
-    'max_decode_length': ('decode', 'max_length'),
-    'eval_batch_tokens': ('decode', 'batch_tokens'),
-    **{k: (None, k) for k in (
-        'seed', 'num_train_steps', 'mesh_shape', 'checkpoint_every_steps', 'keep_checkpoints',
-        'average_last_checkpoints', 'log_every_steps')},
-}
-
-
-def upgrade_config(saved: dict[str, Any]) -> ml_collections.ConfigDict:
-  """A run's saved config as a ConfigDict; flat configs of older runs are mapped to groups."""
-  if 'model' in saved:
-    return ml_collections.ConfigDict(saved)
-  unknown = sorted(set(saved) - set(_LEGACY_KEYS))
-  if unknown:
-    raise ValueError(f'config.json has keys this version does not know: {unknown}. Write it '
-                     'again with the groups of configs/multi30k.py (data, model, optimizer, '
-                     'eval, decode).')
-  config = multi30k.get_config()
-  for key, value in saved.items():
-    group, name = _LEGACY_KEYS[key]
-    (config if group is None else config[group])[name] = value
-  return config
-
-
-def load_config(workdir: str) -> ml_collections.ConfigDict:
-  """WORKDIR/config.json, the config the run was trained with."""
-  path = os.path.join(workdir, 'config.json')
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f'{path} not found: --workdir must be a training workdir.')
-  with open(path, encoding='utf-8') as f:
-    try:
-      saved = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-      raise ValueError(f'{path} is not a valid config ({error}).') from None
-  return upgrade_config(saved)
-
-
-def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, input_pipeline.Tokenizer,
-                                    Transformer]:
-  """The run's config, tokenizer and model: everything decoding needs but the parameters."""
-  config = load_config(workdir)
-  tokenizer = input_pipeline.load_tokenizer(os.path.join(workdir, 'tokenizer.model'))
-  return config, tokenizer, make_model(config.model)
-
-
-def use_compilation_cache(workdir: str) -> None:
-  """Keeps XLA's compiled programs in WORKDIR/compilation_cache: a resumed run, and every
-  decode.py call after the first, load them instead of compiling again.
-
-  A cache folder set before (JAX_COMPILATION_CACHE_DIR) is kept.
-  """
-  if not jax.config.jax_compilation_cache_dir:
-    jax.config.update('jax_compilation_cache_dir', os.path.join(workdir, 'compilation_cache'))
-
-
-def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
-                average: int = 0) -> tuple[Any, str]:
-  """The run's parameters replicated over `mesh`, and where they came from (see checkpoints).
-
-  Runs saved with an earlier parameter layout are mapped to today's (`model.upgrade_params`).
-  """
-  params, origin = checkpoints.load_params(workdir, checkpoint, average,
-                                           target=sharding.replicated(mesh))
-  return upgrade_params(params), origin
-
+from model.search import STOPPING_RULES, check_alpha
+from nmt import batching, console, sharding
+from nmt.tokenizer import Tokenizer
 
 # XLA:CPU's LLVM at optimization level 1 instead of 2 for the searches: the matrix products run
 # in their libraries either way, and a search compiles about a fifth faster at the same speed
@@ -150,7 +53,7 @@ def code_fingerprint() -> str:
                                 jax.config.jax_enable_x64,
                                 jax.config.jax_default_matmul_precision,
                                 jax.config.jax_numpy_dtype_promotion)).encode())
-  for name in sorted(n for n in sys.modules if n in ('model', 'sharding', __name__) or
+  for name in sorted(n for n in sys.modules if n in ('model', 'nmt.sharding', __name__) or
                      n.startswith('model.')):
     module = sys.modules[name]
     with open(module.__file__, 'rb') as f:
@@ -160,7 +63,7 @@ def code_fingerprint() -> str:
   return digest.hexdigest()
 
 
-# Continuous batching (`model/continuous_batching.py`): sentences decoded at once, the most
+# Continuous batching (`model/cpu/continuous_batching.py`): sentences decoded at once, the most
 # empty slots refilled per step, and the most source positions one search's queue holds
 # (sentences x the longest source: a bound on its packed rows, whose cross-attention keys
 # and values the search keeps).
@@ -208,7 +111,7 @@ class Translator:
   sentences already done.
   """
 
-  def __init__(self, model: Transformer | list[Transformer], tokenizer: input_pipeline.Tokenizer,
+  def __init__(self, model: Transformer | list[Transformer], tokenizer: Tokenizer,
                decode_config: ml_collections.ConfigDict, mesh: Mesh, *,
                beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
                batch_tokens: int | None = None, stopping: str | None = None,
@@ -234,13 +137,11 @@ class Translator:
     self.nbest = nbest
     self.batch_tokens = batch_tokens or decode_config.batch_tokens
     self.max_extra_length = decode_config.max_extra_length
-    # Runs configured before `stopping` existed keep the exact search they were tuned with.
-    self.stopping = stopping or decode_config.get('stopping', 'exact')
+    self.stopping = stopping or decode_config.stopping
     if self.stopping not in STOPPING_RULES:
       raise ValueError(f'stopping must be one of {STOPPING_RULES}, got {self.stopping!r}.')
     self.max_length = min(decode_config.max_length, model.config.max_len)
-    # Runs configured before `min_length` existed get today's default: no empty translations.
-    self.min_length = decode_config.get('min_length', 1) if min_length is None else min_length
+    self.min_length = decode_config.min_length if min_length is None else min_length
     if not 0 <= self.min_length < self.max_length:
       raise ValueError(f'min_length must be between 0 and {self.max_length - 1} (the output '
                        f'length limit less the end token), got {self.min_length}.')
@@ -355,7 +256,7 @@ class Translator:
     longest = self.model.config.max_len - prefixes  # A prefix needs one more.
     inputs = sides['inputs']
     if self._continuous and not prefixes and len(inputs) > CONTINUOUS_SLOTS:
-      inputs = input_pipeline.truncate(inputs, longest, 'inputs')
+      inputs = batching.truncate(inputs, longest, 'inputs')
       jobs = []
       for indices, queue in continuous_queues(inputs):
         max_length = min(queue.shape[1] + self.max_extra_length, self.max_length)
@@ -364,7 +265,7 @@ class Translator:
                                             max_length), args, None))
       return jobs
     jobs = []
-    for indices, arrays in input_pipeline.length_batches(
+    for indices, arrays in batching.length_batches(
         sides, self.batch_tokens, longest, row_multiple=self.mesh.devices.size):
       max_length = min(arrays['inputs'].shape[1] + self.max_extra_length, self.max_length)
       if prefixes:  # Room for the prefix and one token more.
@@ -374,10 +275,6 @@ class Translator:
       jobs.append((indices, self._program(self._search, params, args, self._rows, max_length),
                    args, self._rows))
     return jobs
-
-  def place(self, params: Any) -> Any:
-    """Parameters replicated over the mesh (do it once, not per call)."""
-    return jax.device_put(params, sharding.replicated(self.mesh))
 
   def __call__(self, params: Any, sources: list[str], progress: bool = False,
                prefixes: list[str] | None = None
@@ -462,18 +359,3 @@ class Translator:
             'log_prob': float(np.sum(token_log_probs[:length])),
             'tokens': [pieces[t] for t in sequence[:length].tolist()],
             'token_log_probs': [float(x) for x in token_log_probs[:length]]}
-
-
-def score(hypotheses: list[str], references: list[str]) -> dict[str, Any]:
-  """sacreBLEU (cased and lowercased, 13a) and chrF of detokenized text, with signatures."""
-  if len(hypotheses) != len(references):
-    raise ValueError(f'{len(hypotheses)} translations but {len(references)} references.')
-  bleu, bleu_lower, chrf = (sacrebleu.metrics.BLEU(), sacrebleu.metrics.BLEU(lowercase=True),
-                            sacrebleu.metrics.CHRF())
-  return {
-      'bleu': bleu.corpus_score(hypotheses, [references]).score,
-      'bleu_lowercase': bleu_lower.corpus_score(hypotheses, [references]).score,
-      'chrf': chrf.corpus_score(hypotheses, [references]).score,
-      'bleu_signature': str(bleu.get_signature()),
-      'chrf_signature': str(chrf.get_signature()),
-  }

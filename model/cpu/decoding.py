@@ -14,11 +14,11 @@ measured in BENCHMARKS.md, "Decoding":
     `CARRIED_VALUES`), behind an optimization barrier, so XLA does not transpose them inside
     every step.
   * The loop runs in pieces over a cache grown between them, so early steps attend over a
-    short cache: `CHUNK_LENGTH` steps, then pieces twice as long (`decoding.chunk_ends`);
+    short cache: `CHUNK_LENGTH` steps, then pieces twice as long (`search.chunk_ends`);
     each piece compiles its own loop body. The self-attention cache is a list of chunks, one
     per piece: growing it adds an empty chunk instead of copying the cache into a longer one
     (a copy of the whole cache at every piece, which cost as much as several steps).
-  * With a position per sentence (`model/continuous_batching.py`), each sentence writes its
+  * With a position per sentence (`model/cpu/continuous_batching.py`), each sentence writes its
     step's entries into the chunk that holds them; a later chunk is read only by the rows
     that reached it, from a gathered copy of those rows when they are few.
   * `block_top_k_extensions` finds the best extensions from the maxima of vocabulary blocks.
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from model.cpu_rows import on_rows
+from model.cpu.rows import on_rows
 
 Array = jax.Array
 Cache = dict[str, Any]

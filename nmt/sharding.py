@@ -102,32 +102,3 @@ def one_program_in_flight(mesh: Mesh) -> bool:
   keep asynchronous dispatch.
   """
   return jax.default_backend() == 'cpu' and mesh.devices.size > 1
-
-
-# ----------------------------------------------------------------------------- several processes
-
-
-def define_distributed_flags() -> None:
-  """--distributed and its settings, shared by train.py and decode.py."""
-  from absl import flags
-  flags.DEFINE_bool('distributed', False, 'Run as one of several processes (hosts): calls '
-                    'jax.distributed.initialize(), which finds the coordinator, process count '
-                    'and index itself under SLURM, Open MPI, Kubernetes and on Cloud TPU; '
-                    'elsewhere set JAX_COORDINATOR_ADDRESS, --num_processes and --process_id.')
-  flags.DEFINE_integer('num_processes', None, 'With --distributed: how many processes the job '
-                       'has (default: from the cluster environment).', lower_bound=1)
-  flags.DEFINE_integer('process_id', None, "With --distributed: this process's index, 0 on "
-                       'the coordinator (default: from the cluster environment).', lower_bound=0)
-  flags.DEFINE_integer('heartbeat_timeout_seconds', 100, 'With --distributed: a process that '
-                       'has sent no heartbeat for this long counts as dead, and the others stop '
-                       'with an error.', lower_bound=1)
-
-
-def initialize_distributed_from_flags() -> None:
-  """jax.distributed.initialize() if --distributed was given (before any other JAX call)."""
-  from absl import flags
-  settings = flags.FLAGS
-  if settings.distributed:
-    jax.distributed.initialize(num_processes=settings.num_processes,
-                               process_id=settings.process_id,
-                               heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)

@@ -1,15 +1,15 @@
 """Beam search over a pool of sentence slots, each refilled as soon as its sentence ends.
 
-A batch search (`decoding.beam_search`) runs every sentence of a batch until the slowest one
+A batch search (`search.beam_search`) runs every sentence of a batch until the slowest one
 ends: on real text nearly half of its hypothesis-steps decode sentences already done. Here
 the loop runs `slots` sentences at a time, each at its own position; a slot whose sentence
 ends takes the next sentence of the queue at the next step, so every step decodes running
 sentences until the queue is empty. The queue's sentences are packed into rows, first fit,
 and encoded once, up front; blocks of rows that hold no sentence are skipped.
 
-Each sentence's search is `beam_search`'s (`decoding.beam_step`, the same stopping rules,
+Each sentence's search is `beam_search`'s (`search.beam_step`, the same stopping rules,
 length limits and scores); only the steps at which its neighbours start and end differ. It
-runs on the CPU decoding cache (`model/cpu_decoding.py`) with a position per sentence, whose
+runs on the CPU decoding cache (`model/cpu/decoding.py`) with a position per sentence, whose
 self-attention chunks no running sentence has reached are skipped.
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from model import cpu_decoding
-from model.decoding import (
+from model.cpu import decoding as cpu_decoding
+from model.search import (
     NEG_INF,
     STOPPING_RULES,
     beam_step,
@@ -31,7 +31,8 @@ from model.decoding import (
     chunk_ends,
     length_penalty,
 )
-from model.transformer import PAD_ID, Transformer
+from model.tokens import PAD_ID
+from model.transformer import Transformer
 
 Array = jax.Array
 

@@ -17,7 +17,7 @@ import sys
 
 from absl import flags, logging
 
-PROJECT_DIR = os.path.dirname(os.path.abspath(__file__))
+PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # TensorFlow's C++ start-up notices (the input pipeline imports it after this module). TF
 # only reads and batches text here, so its oneDNN math kernels, whose notice this is, are unused.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')

@@ -17,11 +17,8 @@ read is unusable for all), so they skip, stop or go on together.
 Restores read straight into the caller's device layout (target shardings), so a run trained on
 N devices decodes, averages and resumes on M.
 
-Averaging (the paper averaged the last 5 checkpoints of base models, 20 of big ones):
-
-  python checkpoints.py --workdir runs/multi30k [--average_last N]
-
-writes `WORKDIR/averaged/` which `decode.py --checkpoint averaged` reads. Training with
+Averaging (`average.py`; the paper averaged the last 5 checkpoints of base models, 20 of big
+ones) writes `WORKDIR/averaged/`, which `decode.py --checkpoint averaged` reads. Training with
 `eval.keep_best_metric` writes `WORKDIR/best/` (`--checkpoint best`) the same way; `--checkpoint
 ema` reads the newest checkpoint's moving average.
 """
@@ -29,20 +26,19 @@ ema` reads the newest checkpoint's moving average.
 from __future__ import annotations
 
 import functools
-import json
 import os
-import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
-from absl import app, flags, logging
+from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-import console
+from nmt import legacy
+from nmt.checksums import checksums, path_name
 
 CHECKPOINT_DIR = 'checkpoints'
 AVERAGED_DIR = 'averaged'
@@ -59,91 +55,6 @@ class CheckpointMismatchError(ValueError):
 class DamagedCheckpointError(Exception):
   """A checkpoint that cannot be read back as it was saved (files missing, unreadable, or
   arrays whose checksums differ from the ones recorded at saving)."""
-
-
-# ----------------------------------------------------------------------------- checksums
-
-# Two independent 32-bit sums per array: a changed value goes unnoticed with odds 2^-64.
-_CHECKSUM_SEEDS = (0x9E3779B9, 0x85EBCA6B)
-
-
-def _mix(x: np.ndarray) -> np.ndarray:
-  """A 32-bit integer hash (murmur3's finaliser), elementwise on uint32 (wrapping)."""
-  x = x ^ (x >> np.uint32(16))
-  x = x * np.uint32(0x85EBCA6B)
-  x = x ^ (x >> np.uint32(13))
-  x = x * np.uint32(0xC2B2AE35)
-  return x ^ (x >> np.uint32(16))
-
-
-def _shard_sums(data: np.ndarray, index: tuple, shape: tuple[int, ...]) -> np.ndarray:
-  """[2] uint32: sums of hash(bits, global flat index) over one shard's elements.
-
-  index: the shard's slices into the whole array of `shape`. Sums modulo 2^32 do not depend
-  on the order of the additions, so shards add up to the whole array's sums.
-  """
-  if data.dtype == np.bool_:
-    data = data.astype(np.uint8)
-  bits = data.view(f'uint{data.dtype.itemsize * 8}').astype(np.uint32)
-  flat_index = np.zeros(data.shape, np.uint32)
-  stride = 1
-  for axis in reversed(range(len(shape))):
-    start = index[axis].start or 0
-    coordinate = (np.arange(start, start + data.shape[axis], dtype=np.uint64) * stride) % 2**32
-    flat_index += coordinate.astype(np.uint32).reshape(
-        [-1 if a == axis else 1 for a in range(len(shape))])
-    stride = (stride * shape[axis]) % 2**32
-  bits, flat_index = np.atleast_1d(bits), np.atleast_1d(flat_index)  # Arrays wrap silently.
-  return np.array([np.sum(_mix(bits ^ _mix(flat_index + np.uint32(seed))), dtype=np.uint32)
-                   for seed in _CHECKSUM_SEEDS], np.uint32)
-
-
-def _local_sums(x: Any) -> tuple[np.ndarray, bool]:
-  """[2] uint32: this process's share of an array's sums (each element counted by one
-  process only: the shards with replica id 0), and whether other processes hold shares."""
-  if isinstance(x, jax.Array):
-    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-      x = jax.random.key_data(x)
-    total = np.zeros(2, np.uint32)
-    for shard in x.addressable_shards:
-      if shard.replica_id == 0:
-        total += _shard_sums(np.asarray(shard.data), shard.index, x.shape)
-    return total, not x.is_fully_addressable
-  x = np.asarray(x)
-  return _shard_sums(x, tuple(slice(0, n) for n in x.shape), x.shape), False
-
-
-def _path_name(path: tuple) -> str:
-  """'a/b/0/count' for a tree path: the same for a saved tree (dicts and lists) and the
-  live one (namedtuples), unlike jax.tree_util.keystr."""
-  parts = []
-  for key in path:
-    for attribute in ('key', 'name', 'idx'):
-      if hasattr(key, attribute):
-        parts.append(str(getattr(key, attribute)))
-        break
-    else:
-      parts.append(str(key))
-  return '/'.join(parts)
-
-
-def checksums(tree: Any) -> dict[str, str]:
-  """Each array's checksum as 16 hex digits, keyed by its path in the tree.
-
-  Computed on the host from the shards this process holds (no compilation), then, for arrays
-  spread over several processes, summed over processes: the same digits whatever the arrays'
-  sharding and however many devices and hosts hold them. With several processes, every
-  process calls it with the same tree.
-  """
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  local = [_local_sums(leaf) for _, leaf in flat]
-  sums = np.stack([s for s, _ in local]) if flat else np.zeros((0, 2), np.uint32)
-  spread = np.array([is_global for _, is_global in local], bool)
-  if jax.process_count() > 1 and spread.any():
-    sums[spread] = np.sum(multihost_utils.process_allgather(sums[spread]), axis=0,
-                          dtype=np.uint32)
-  return {_path_name(path): ''.join(f'{int(v):08x}' for v in value)
-          for (path, _), value in zip(flat, sums)}
 
 
 # ----------------------------------------------------------------------------- saving
@@ -182,7 +93,7 @@ def save(manager: ocp.CheckpointManager, step: int, params: Any, optimizer_state
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-  return {_path_name(path): tuple(leaf.shape) for path, leaf in flat}
+  return {path_name(path): tuple(leaf.shape) for path, leaf in flat}
 
 
 def tree_differences(saved: Any, wanted: Any, limit: int = 6) -> list[str]:
@@ -251,9 +162,10 @@ def _restore_item(path: str, target: Any) -> Any:
 
 
 def _verify(item: str, restored: Any, recorded: dict[str, str] | None) -> None:
-  """DamagedCheckpointError if a restored array differs from its checksum at saving."""
-  if recorded is None:  # Checkpoints of earlier code have none.
-    return
+  """DamagedCheckpointError if a restored array differs from its checksum at saving, or the
+  meta lists checksums but none of this item's."""
+  if recorded is None:
+    raise DamagedCheckpointError(f'its meta has no checksums of {item}')
   actual = checksums(restored)
   wrong = sorted(k for k, v in recorded.items() if actual.get(k) != v)
   if wrong:
@@ -314,7 +226,10 @@ def read_checkpoint(path: str, targets: dict[str, Any],
   error = _agree(error)  # Every process goes on, or raises, together.
   if error is not None:
     raise error
-  recorded = restored['meta'].get('checksums') or {}
+  recorded = restored['meta'].get('checksums')
+  if recorded is None:
+    legacy.warn_unverified(path)
+    return restored
   for item in targets:
     _verify(item, restored[item], recorded.get(item))
   return restored
@@ -467,16 +382,16 @@ def _read_params_folder(workdir: str, name: str, target: Any) -> tuple[Any, dict
   """The params and meta of WORKDIR/averaged/ or WORKDIR/best/, verified."""
   path = os.path.abspath(os.path.join(workdir, name))
   if not os.path.isdir(path):
-    how = (f'run `python checkpoints.py --workdir {workdir} --average_last N` first'
+    how = (f'run `python average.py --workdir {workdir} --average_last N` first'
            if name == AVERAGED_DIR else 'train with eval.keep_best_metric set')
     raise FileNotFoundError(f'No {name} checkpoint at {path}: {how}.')
   try:
-    if not os.path.isdir(os.path.join(path, 'params')):  # Earlier code: params only, no meta.
+    if legacy.params_only_folder(path):
       return _restore_item(path, target), {}
     restored = read_checkpoint(path, {'params': target})
     return restored['params'], restored['meta']
   except DamagedCheckpointError as error:
-    how = (f'average again with `python checkpoints.py --workdir {workdir}`'
+    how = (f'average again with `python average.py --workdir {workdir}`'
            if name == AVERAGED_DIR else 'decode a step instead')
     raise DamagedCheckpointError(f'The {name} checkpoint {path} is damaged ({error}): '
                                  f'{how}.') from None
@@ -556,28 +471,3 @@ def load_params(workdir: str, checkpoint: str | int | None = None, average: int 
     raise DamagedCheckpointError(f'Checkpoint {step} in {checkpoint_dir} is damaged ({error}); '
                                  f'choose another of {steps}.') from None
 
-
-def main(argv):
-  if len(argv) > 1:
-    sys.exit(f'error: unexpected arguments {argv[1:]} (flags take the form --name=value).')
-  console.quiet_libraries()
-  count = FLAGS.average_last
-  try:
-    if count is None:  # The run's own choice, from its config.
-      with open(os.path.join(FLAGS.workdir, 'config.json'), encoding='utf-8') as f:
-        saved = json.load(f)
-      count = saved.get('average_last_checkpoints')
-      if count is None:
-        raise ValueError(f'{FLAGS.workdir}/config.json has no average_last_checkpoints; '
-                         'pass --average_last N.')
-    save_averaged(FLAGS.workdir, count)
-  except (FileNotFoundError, ValueError, DamagedCheckpointError) as error:
-    sys.exit(f'error: {error}')
-
-
-if __name__ == '__main__':
-  flags.DEFINE_string('workdir', None, 'Training workdir.', required=True)
-  flags.DEFINE_integer('average_last', None, 'Number of newest checkpoints to average '
-                       "(default: the run config's average_last_checkpoints).", lower_bound=1)
-  FLAGS = flags.FLAGS
-  app.run(main)

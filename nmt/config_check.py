@@ -1,0 +1,83 @@
+"""A training config checked before anything compiles: every user mistake gets one clear line."""
+
+from __future__ import annotations
+
+import ml_collections
+from jax.sharding import Mesh
+
+from model import make_model
+from nmt.keep_best import BEST_METRICS
+
+
+class ConfigError(ValueError):
+  """A user mistake in the config, reported before any compilation."""
+
+
+def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
+  """Catches user mistakes with a clear message before anything is compiled."""
+  try:
+    make_model(config.model)
+  except (TypeError, ValueError) as error:
+    raise ConfigError(f'config.model: {error}') from None
+  data, optimizer = config.data, config.optimizer
+  for key, value in (('data.batch_size', data.batch_size),
+                     ('data.max_length', data.max_length),
+                     ('data.spm_sample_size', data.spm_sample_size),
+                     ('optimizer.grad_accum_steps', optimizer.grad_accum_steps),
+                     ('optimizer.max_consecutive_nonfinite', optimizer.max_consecutive_nonfinite),
+                     ('num_train_steps', config.num_train_steps),
+                     ('optimizer.warmup_steps', optimizer.warmup_steps),
+                     ('log_every_steps', config.log_every_steps),
+                     ('checkpoint_every_steps', config.checkpoint_every_steps),
+                     ('keep_checkpoints', config.keep_checkpoints),
+                     ('average_last_checkpoints', config.average_last_checkpoints),
+                     ('eval.every_steps', config.eval.every_steps),
+                     ('eval.bleu_every_steps', config.eval.bleu_every_steps),
+                     ('decode.beam_size', config.decode.beam_size),
+                     ('decode.batch_tokens', config.decode.batch_tokens),
+                     ('decode.max_length', config.decode.max_length)):
+    if value <= 0:
+      raise ConfigError(f'{key} must be positive, got {value}.')
+  if config.eval.bleu_sentences < 0:
+    raise ConfigError(f'eval.bleu_sentences must be 0 (no BLEU) or more, got '
+                      f'{config.eval.bleu_sentences}.')
+  if config.decode.beam_size > config.model.vocab_size:
+    raise ConfigError(f'decode.beam_size={config.decode.beam_size} exceeds the vocabulary '
+                      f'(model.vocab_size={config.model.vocab_size}).')
+  if not 0 <= optimizer.label_smoothing < 1:
+    raise ConfigError(f'optimizer.label_smoothing must be in [0, 1), got '
+                      f'{optimizer.label_smoothing}.')
+  micro_batch, rest = divmod(data.batch_size, optimizer.grad_accum_steps)
+  if rest:
+    raise ConfigError(f'data.batch_size={data.batch_size} is not divisible by '
+                      f'optimizer.grad_accum_steps={optimizer.grad_accum_steps}.')
+  num_devices = mesh.devices.size
+  if micro_batch % num_devices:
+    raise ConfigError(f'data.batch_size / grad_accum_steps = {micro_batch} rows do not divide '
+                      f'over {num_devices} devices; use a multiple of {num_devices}.')
+  if data.max_length > config.model.max_len:
+    raise ConfigError(f'data.max_length={data.max_length} exceeds model.max_len='
+                      f'{config.model.max_len}.')
+  if not 0 < optimizer.learning_rate_scale < float('inf'):
+    raise ConfigError(f'optimizer.learning_rate_scale must be positive and finite, got '
+                      f'{optimizer.learning_rate_scale}.')
+  if not 0 <= optimizer.get('cooldown_steps', 0) <= config.num_train_steps:
+    raise ConfigError(f'optimizer.cooldown_steps must be in [0, num_train_steps='
+                      f'{config.num_train_steps}] (0: the paper\'s schedule to the end), got '
+                      f'{optimizer.cooldown_steps}.')
+  if not 0 <= config.get('max_train_minutes', 0) < float('inf'):
+    raise ConfigError(f'max_train_minutes must be 0 (no limit) or a positive number of minutes, '
+                      f'got {config.max_train_minutes}.')
+  if not 0 <= optimizer.ema_decay < 1:
+    raise ConfigError(f'optimizer.ema_decay must be in [0, 1) (0: no moving average), got '
+                      f'{optimizer.ema_decay}.')
+  metric, patience = config.eval.keep_best_metric, config.eval.early_stopping_patience
+  if metric not in BEST_METRICS:
+    raise ConfigError(f"eval.keep_best_metric must be '' or one of {sorted(BEST_METRICS)[1:]}, "
+                      f'got {metric!r}.')
+  if metric in ('bleu', 'chrf') and config.eval.bleu_sentences == 0:
+    raise ConfigError(f'eval.keep_best_metric={metric!r} needs BLEU evaluations: set '
+                      'eval.bleu_sentences > 0.')
+  if patience < 0 or (patience and not metric):
+    raise ConfigError(f'eval.early_stopping_patience={patience}: give 0 (never stop early), or '
+                      'a positive count with eval.keep_best_metric set.')
