@@ -126,11 +126,12 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
     best = [t[0]['text'] if t else '' for t in translations]
   else:
     best = translations if nbest == 1 else [t[0] for t in translations]
-  scores = scoring.score(best, references)
+  scores = scoring.score(best, references, config.data.target_lang)
   if writes:
     print(f"BLEU {scores['bleu']:.2f} ({scores['bleu_signature']})\n"
           f"BLEU (lowercase) {scores['bleu_lowercase']:.2f}\n"
-          f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})", file=sys.stderr)
+          f"chrF {scores['chrf']:.2f} ({scores['chrf_signature']})\n"
+          f"{scoring.TOK_LC_NAME} {scores['bleu_tok_lc']:.2f}", file=sys.stderr)
   return scores
 
 
