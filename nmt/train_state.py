@@ -69,7 +69,8 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
       ema_params = jax.tree_util.tree_map(jnp.copy, params)
     state['ema_params'] = ema_params
   logging.info('Resumed from step %d.', meta['step'])
-  return state, shardings, meta
+  # Every array on its training layout, placed here (the step's transfer guard allows none).
+  return jax.device_put(state, shardings), shardings, meta
 
 
 def whole_data_state(train_iter: Any) -> dict[str, Any]:

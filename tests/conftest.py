@@ -1,9 +1,13 @@
-"""Test setup: 8 fake CPU devices (set before JAX is imported), the local Multi30k copy, and
-one compilation cache for the session."""
+"""Test setup: 8 fake CPU devices (set before JAX is imported), the local Multi30k copy, one
+compilation cache and one TFDS folder for the whole run (shared by pytest-xdist's workers),
+fixtures built once per run, and, under CI=true, no skipped test: a test that skips there
+(its data missing, say) fails instead."""
 
 import os
 import pathlib
+import shutil
 import tempfile
+import uuid
 
 # Multi-device tests run on fake CPU devices; this must happen before `import jax` anywhere.
 # The tests' programs are tiny and each is compiled for a few calls, so XLA's compile time is
@@ -19,34 +23,79 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_MULTI30K = REPO.parent / 'shared' / 'data' / 'multi30k'
 if SHARED_MULTI30K.is_dir():
   os.environ.setdefault('MULTI30K_DIR', str(SHARED_MULTI30K))
+NEEDS_MULTI30K = ('needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these '
+                  'machines)')
 
-# TFDS prepares datasets into a fresh folder per test session, never the user's ~/.
-os.environ.setdefault('TFDS_DATA_DIR', tempfile.mkdtemp(prefix='tfds_'))
-
+# One folder per test run for what the run shares: pytest-xdist's workers inherit this
+# process's environment, or find the run's id in theirs.
+STARTS_THE_RUN = 'NMT_TEST_RUN' not in os.environ and 'PYTEST_XDIST_WORKER' not in os.environ
+RUN_ID = os.environ.setdefault('NMT_TEST_RUN', os.environ.get('PYTEST_XDIST_TESTRUNUID',
+                                                              uuid.uuid4().hex))
+RUN_DIR = pathlib.Path(tempfile.gettempdir()) / f'nmt-tests-{RUN_ID}'
+RUN_DIR.mkdir(exist_ok=True)
+# TFDS prepares datasets into the run's folder, never the user's ~/.
+os.environ.setdefault('TFDS_DATA_DIR', str(RUN_DIR / 'tfds'))
 # Many tests (and the processes they start) compile the same tiny programs: XLA compiles each
-# once per test session, into a fresh folder, and later jits load it.
-os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', tempfile.mkdtemp(prefix='jax_cache_'))
+# once per run, into the run's folder, and later jits load it.
+os.environ.setdefault('JAX_COMPILATION_CACHE_DIR', str(RUN_DIR / 'jax_cache'))
 os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
 
 
-import pytest  # noqa: E402  (after the environment above, which must precede any jax import)
+import filelock  # noqa: E402  (after the environment above, which must precede any jax import)
+import pytest  # noqa: E402
+
+
+def built_once(name: str, build) -> str:
+  """RUN_DIR/name, made by `build(path)` by the first test (of any worker) that asks for it;
+  the others wait for it and share it: read it, never write into it."""
+  path = RUN_DIR / name
+  with filelock.FileLock(str(path) + '.lock'):
+    if not (path / '.complete').exists():
+      shutil.rmtree(path, ignore_errors=True)
+      path.mkdir()
+      build(str(path))
+      (path / '.complete').touch()
+  return str(path)
+
+
+def needs_multi30k() -> None:
+  if not os.path.isfile(os.path.join(os.environ.get('MULTI30K_DIR', ''), 'train.en')):
+    pytest.skip(NEEDS_MULTI30K)
 
 
 @pytest.fixture(scope='session')
-def tiny_run(tmp_path_factory) -> str:
+def tiny_run() -> str:
   """A workdir of configs/tiny.py trained 12 steps (checkpoints 4, 8, 12), shared by every
-  test of the session that decodes or exports a run: read it, never write into it."""
-  multi30k = os.environ.get('MULTI30K_DIR', '')
-  if not os.path.isfile(os.path.join(multi30k, 'train.en')):
-    pytest.skip('needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these '
-                'machines)')
-  import train
-  from configs import tiny
-  path = tmp_path_factory.mktemp('tiny_run')
-  config = tiny.get_config()
-  config.num_train_steps = 12
-  config.checkpoint_every_steps = 4
-  config.eval.every_steps = 1000
-  config.eval.bleu_sentences = 0
-  train.train_and_evaluate(config, str(path))
-  return str(path)
+  test of the run that decodes or exports a run: read it, never write into it."""
+  needs_multi30k()
+
+  def build(path):
+    import train
+    from configs import tiny
+    config = tiny.get_config()
+    config.num_train_steps = 12
+    config.checkpoint_every_steps = 4
+    config.eval.every_steps = 1000
+    config.eval.bleu_sentences = 0
+    train.train_and_evaluate(config, path)
+
+  return built_once('tiny_run', build)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """The run's shared folder goes once the run ends, removed by the process that made it."""
+  if STARTS_THE_RUN:
+    shutil.rmtree(RUN_DIR, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """Under CI=true a skip is a failure: CI has the shared data and every test dependency, so a
+  test that skips there (data not found, a package missing) hides a claim going unchecked."""
+  outcome = yield
+  report = outcome.get_result()
+  if report.skipped and os.environ.get('CI', '').lower() in ('1', 'true') and (
+      'xfail' not in report.keywords):
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+    report.outcome = 'failed'
+    report.longrepr = f'skipped under CI=true, which must run every test: {reason}'

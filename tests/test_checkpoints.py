@@ -160,6 +160,29 @@ def test_an_array_that_differs_from_its_checksum_is_damage(run):
   assert checkpoints.load_params(run)[1] == 'step 6'
 
 
+def test_a_meta_without_an_items_checksums_is_damage_and_one_without_any_is_unverified(
+    run, caplog):
+  """Checksums for some items but not for params: damage (a meta cut short). A meta with no
+  checksums at all (as older versions wrote): restored unverified, with a warning naming it."""
+  meta_file = os.path.join(run, 'checkpoints', '8', 'meta', 'metadata')
+  with open(meta_file, encoding='utf-8') as f:
+    meta = json.load(f)
+  del meta['checksums']['params']
+  with open(meta_file, 'w', encoding='utf-8') as f:
+    json.dump(meta, f)
+  with pytest.raises(checkpoints.DamagedCheckpointError, match='no checksums of params'):
+    checkpoints.restore_params(run, 8)
+  assert checkpoints.load_params(run)[1] == 'step 6'
+  del meta['checksums']
+  with open(meta_file, 'w', encoding='utf-8') as f:
+    json.dump(meta, f)
+  with caplog.at_level('WARNING'):
+    params = checkpoints.restore_params(run, 8)
+  assert leaves(params)
+  assert 'records no checksums' in caplog.text and 'restored unverified' in caplog.text
+  assert os.path.join('checkpoints', '8') in caplog.text
+
+
 def test_missing_params_metadata_is_damage_for_every_reader(run):
   """Before: training accepted a checkpoint without params/_METADATA, which then broke
   decoding and averaging for good."""

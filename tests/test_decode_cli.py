@@ -17,9 +17,6 @@ from nmt import translator as translator_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
-pytestmark = pytest.mark.skipif(
-    not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
-    reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
 
 
 @pytest.fixture

@@ -405,7 +405,7 @@ def test_a_nonempty_source_never_gets_an_empty_translation(cpu_tuned, monkeypatc
     assert (lengths[empty_source] == 1).all(), name
     assert (lengths[~empty_source] >= 2).all(), (name, lengths)
     if name != 'sample':
-      unbounded = np.asarray(jax.jit(functools.partial(search, model, min_length=0))(
+      unbounded = np.asarray(jax.jit(functools.partial(search_fn, model, min_length=0))(
           params, inputs)[0])
       assert (output_lengths(unbounded).reshape(len(inputs), -1)[:, 0] == 1).all(), name
 

@@ -591,7 +591,7 @@ def test_serving_reads_lines_as_decode_does(tmp_path):
   assert serving.read_lines(str(path)) == text_io.read_lines(path) == ['a\rb', '', '\u2028 c\x0b',
                                                                    'last']
   streamed = []
-  for module in (serving, ip):
+  for module in (serving, text_io):
     read_end, write_end = os.pipe()
     os.write(write_end, data)
     os.close(write_end)
@@ -602,7 +602,7 @@ def test_serving_reads_lines_as_decode_does(tmp_path):
   assert streamed[0] == streamed[1] == text_io.read_lines(path)
   path.write_bytes(b'fine\nG\xfcnter\n')
   errors = []
-  for read in (serving.read_lines, ip.read_lines):
+  for read in (serving.read_lines, text_io.read_lines):
     with pytest.raises(ValueError) as error:
       read(str(path))
     errors.append(str(error.value))

@@ -31,6 +31,8 @@ NEEDS_MULTI30K = ('needs the Multi30k files: set MULTI30K_DIR (../shared/data/mu
                   'machines)')
 needs_multi30k = pytest.mark.skipif(not os.path.isfile(os.path.join(MULTI30K, 'train.en')),
                                     reason=NEEDS_MULTI30K)
+# Clusters of processes run one after another, on one pytest-xdist worker.
+pytestmark = pytest.mark.xdist_group('process_clusters')
 
 # configs/tiny.py with dropout (its masks must not depend on the processes), evaluation and
 # BLEU every 32 steps, and every checkpoint kept. A small learning rate: tiny's own makes every
@@ -169,14 +171,14 @@ def test_a_run_stopped_by_sigterm_resumes_exactly(tmp_path, two_process_run):
   assert_params_close(workdir, resume_to, two_process_run[0])
 
 
-@pytest.mark.slow
+@needs_multi30k
 def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_run):
   workdir = tmp_path / 'run'
   processes = cluster_launcher.Processes('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
-                                     '--config.num_train_steps=100000',
-                                     '--heartbeat_timeout_seconds=10')
-  cluster_launcher.wait_for(lambda: os.path.isdir(workdir / 'checkpoints' / '8'), 300,
-                        'checkpoint 8', processes)
+                                         '--config.num_train_steps=100000',
+                                         '--heartbeat_timeout_seconds=10')
+  cluster_launcher.wait_for(lambda: os.path.isdir(workdir / 'checkpoints' / '4'), 300,
+                            'checkpoint 4', processes)
   killed_at = time.time()
   processes.send(1, signal.SIGKILL)
   survivor = processes.wait(timeout=time.time() - processes.started + 120)[0]
@@ -191,7 +193,6 @@ def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_r
 
 
 @needs_multi30k
-@pytest.mark.slow
 def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path,
                                                                         two_process_run):
   workdir = tmp_path / 'run'
@@ -218,7 +219,6 @@ def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path
 
 
 @needs_multi30k
-@pytest.mark.slow  # The fast set's topology claims: test_train.py (1 vs 8 devices in-process).
 def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
     tmp_path, two_process_run):
   workdir = tmp_path / 'run'

@@ -1,9 +1,10 @@
 """A run trained on one device count decodes, averages and resumes on another.
 
-Training on a GPU/TPU host and translating on a laptop is the common case. Before restores read
-into the target devices' layout, a run trained on 8 devices stopped decode.py on 1 device with
-orbax's "Topology mismatch" error. Here runs are decoded on meshes of 8, 2 and 1 of this
-process's devices, and by decode.py in a process that has 1 device, as a user's shell would.
+Training on a GPU/TPU host and translating on a laptop is the common case: restores read into
+the target devices' layout. Here runs are decoded on meshes of 8, 2 and 1 of this process's
+devices, and by decode.py in a process that has 1 device, as a user's shell would. The fast
+set's claim runs across processes: tests/test_multiprocess.py decodes a 2 x 2 run on 1 x 1 and
+2 x 2 (`decode.py --distributed`) and resumes it on 1 x 4.
 """
 
 import os
@@ -60,7 +61,7 @@ def decode_on(workdir: str, num_devices: int, checkpoint: str | None = None) -> 
   return translator(params, SOURCES)
 
 
-@pytest.mark.slow  # tests/test_multiprocess.py moves a 2-process run to 1 and 4 devices.
+@pytest.mark.slow
 def test_trained_on_eight_devices_decodes_averages_and_resumes_on_one_and_two(tmp_path):
   workdir = str(tmp_path / 'run')
   train.train_and_evaluate(config_for(8), workdir)  # This process: 8 devices.
@@ -80,7 +81,7 @@ def test_trained_on_eight_devices_decodes_averages_and_resumes_on_one_and_two(tm
   assert 'Resumed from step 8' in log and 'step 12/12' in log
 
 
-@pytest.mark.slow  # The other direction runs in the fast set (the test above).
+@pytest.mark.slow
 def test_trained_on_one_device_decodes_and_resumes_on_eight(tmp_path):
   workdir = str(tmp_path / 'run')
   run('train.py', '--config', 'configs/tiny.py', '--workdir', workdir, *CONFIG_FLAGS,

@@ -404,6 +404,7 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   monkeypatch.setattr(evaluation.Evaluator, '__init__', two_batches)
   config = small_config({'model.dropout_rate': 0.1, 'eval.bleu_sentences': 0,
                          'num_train_steps': 16, 'checkpoint_every_steps': 4,
+                         'keep_checkpoints': 4,  # Every checkpoint: the best's EMA is read below.
                          'eval.every_steps': 4, 'optimizer.ema_decay': 0.9,
                          'eval.keep_best_metric': 'loss', 'eval.early_stopping_patience': 50})
   straight = tmp_path / 'straight'
@@ -437,8 +438,11 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
   # best/ holds the moving average of the best step (decode.py --checkpoint best).
   best, origin = checkpoints.load_params(str(interrupted), 'best')
   assert f"step {result['best']['step']}" in origin
-  if result['best']['step'] == 16:
-    _assert_trees_close(jax.device_get(best), ema, atol=1e-6)
+  best_step = result['best']['step']
+  ema_then = checkpoints.read_checkpoint(
+      checkpoints.step_path(str(interrupted), best_step),
+      {'ema': jax.sharding.SingleDeviceSharding(jax.devices()[0])}, step=best_step)['ema']
+  _assert_trees_close(jax.device_get(best), jax.device_get(ema_then), atol=1e-6)
 
 
 @needs_multi30k

@@ -140,7 +140,7 @@ def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch)
                                                    **settings)
   first, again, beam_2 = make(), make(), make(beam_size=2)
   path = first._exported_path(first._search, 'signature')
-  assert path.startswith(jax.config.jax_compilation_cache_dir)  # The session's (conftest).
+  assert path.startswith(jax.config.jax_compilation_cache_dir)  # The test run's (conftest).
   assert again._exported_path(again._search, 'signature') == path
   assert beam_2._exported_path(beam_2._search, 'signature') != path
   assert first._exported_path(first._search, 'another signature') != path
