@@ -45,9 +45,10 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
            stopping: str | None = None, checkpoint: str | None = None,
            average_last: int = 0, output_format: str = 'text',
            target_prefix: str | None = None, ensemble: str | None = None,
-           ensemble_weights: str | None = None,
-           min_length: int | None = None) -> dict[str, Any] | None:
-  """Translates --input or --split, writes the translations, returns the scores (if any).
+           ensemble_weights: str | None = None, min_length: int | None = None,
+           score_reference: bool = False, attention: bool = False) -> dict[str, Any] | None:
+  """Translates --input or --split, writes the translations, returns the scores (if any);
+  with `score_reference`, writes the model's scores of the references instead.
 
   Input from a pipe or a terminal is translated as it arrives, each output line flushed;
   otherwise the output file is opened once every translation is done, so a failed call leaves
@@ -67,6 +68,12 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   if target_prefix and streaming:
     raise ValueError('--target_prefix pairs its lines with a whole input: give --input FILE, '
                      'or redirect stdin from a file (`< FILE`), not a pipe or a terminal.')
+  if score_reference and (streaming or references is None):
+    raise ValueError('--score_reference scores given translations: give --input FILE with '
+                     '--reference FILE, or --split.')
+  if attention and output_format != 'json':
+    raise ValueError('--attention adds the cross-attention to JSON output: add '
+                     '--output_format json.')
   prefixes = text_io.read_lines(target_prefix) if target_prefix else None
   if prefixes is not None and len(prefixes) != len(sources):
     raise ValueError(f'--target_prefix {target_prefix} needs one line per source line ('
@@ -80,13 +87,21 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   translator = Translator(model, tokenizer, config.decode, mesh, beam_size=beam_size, alpha=alpha,
                           nbest=nbest, batch_tokens=batch_tokens, stopping=stopping,
                           details=output_format == 'json', weights=weights,
-                          min_length=min_length)
+                          min_length=min_length, attention=attention)
+  pieces = tokenizer.encode_pieces
   lines = lambda sources, translations: ''.join(
-      format_output(source, translation, nbest, output_format) + '\n'
+      format_output(source, translation, nbest, output_format, pieces) + '\n'
       for source, translation in zip(sources, translations))
   writes = jax.process_index() == 0  # Every process holds every translation; one writes.
   out = None
   open_output = lambda: sys.stdout if output == '-' else open(output, 'w', encoding='utf-8')
+  if score_reference:
+    scored = translator.score(params, sources, references)
+    if writes:
+      with open_output() as out:
+        out.writelines(format_score(source, result, output_format, pieces) + '\n'
+                       for source, result in zip(sources, scored, strict=True))
+    return None
   translations = []
   try:
     if streaming:
@@ -135,13 +150,26 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   return scores
 
 
-def format_output(source: str, translation: Any, nbest: int, output_format: str) -> str:
+def format_output(source: str, translation: Any, nbest: int, output_format: str,
+                  pieces: Any) -> str:
   """One input line's output line: its translation (nbest > 1: tab-separated translations), or
-  with output_format 'json' an object {"source", "translations": [{"text", "score",
-  "log_prob", "tokens", "token_log_probs"}, ...]} (no translations for an empty line)."""
+  with output_format 'json' an object {"source", "source_tokens", "translations": [{"text",
+  "score", "log_prob", "tokens", "token_log_probs", "align"[, "attention"]}, ...]} (no
+  translations for an empty line); `align` indexes `source_tokens` (pieces, then '</s>')."""
   if output_format == 'json':
-    return json.dumps({'source': source, 'translations': translation}, ensure_ascii=False)
+    return json.dumps({'source': source, 'source_tokens': pieces(source) + ['</s>'],
+                       'translations': translation}, ensure_ascii=False)
   return output_line(translation if nbest > 1 else [translation])
+
+
+def format_score(source: str, scored: dict[str, Any], output_format: str, pieces: Any) -> str:
+  """One input line's output with --score_reference: the reference's log-probability, or
+  with output_format 'json' an object {"source", "source_tokens", "reference", "log_prob",
+  "tokens", "token_log_probs", "align"[, "attention"]}."""
+  if output_format == 'json':
+    return json.dumps({'source': source, 'source_tokens': pieces(source) + ['</s>'],
+                       'reference': scored.pop('text'), **scored}, ensure_ascii=False)
+  return f"{scored['log_prob']:.6f}"
 
 
 def output_line(translations: list[str]) -> str:
@@ -184,6 +212,12 @@ def define_flags():
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best' (by the validation "
                       "metric), 'ema' (the newest moving average), or the newest if unset.")
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
+  flags.DEFINE_bool('score_reference', False, "Score the references (--reference, or the "
+                    "split's) instead of translating: each line's log-probability, or with "
+                    '--output_format json its per-token log-probabilities and alignment.')
+  flags.DEFINE_bool('attention', False, 'With --output_format json: also each translation\'s '
+                    'cross-attention [target token][source token], averaged over layers and '
+                    'heads.')
   startup.define_distributed_flags()
 
 
@@ -209,7 +243,8 @@ def main(argv):
            output_format=FLAGS.output_format, target_prefix=FLAGS.target_prefix,
            ensemble=FLAGS.ensemble, ensemble_weights=FLAGS.ensemble_weights,
            checkpoint=FLAGS.checkpoint, average_last=FLAGS.average_last,
-           min_length=FLAGS.min_length)
+           min_length=FLAGS.min_length, score_reference=FLAGS.score_reference,
+           attention=FLAGS.attention)
   except (FileNotFoundError, ValueError, checkpoints.DamagedCheckpointError) as error:
     sys.exit(f'error: {error}')
   except OSError as error:  # Writing the output: a full disk, a closed pipe, no permission.

@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags, logging
 
 from model import EOS_ID, RNN, Transformer
+from model.forced_decoding import attention_maps
 from nmt import checkpoints, console, runs, sharding, startup, text_io
 from nmt import translator as translator_lib
 
@@ -39,36 +40,24 @@ matplotlib.use('Agg')
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 
 FLAGS = flags.FLAGS
-# (name in the files, module path in the model, which pieces label queries and keys).
-ATTENTIONS = (('encoder_self_attention', ('encoder', 'self_attention'), 'source', 'source'),
-              ('decoder_self_attention', ('decoder', 'self_attention'), 'target', 'target'),
-              ('cross_attention', ('decoder', 'cross_attention'), 'target', 'source'))
+# Which pieces label each attention's queries and keys.
+SIDES = {'encoder_self_attention': ('source', 'source'),
+         'decoder_self_attention': ('target', 'target'),
+         'cross_attention': ('target', 'source')}
 
 
 def attention_weights(model: Transformer | RNN, params: Any, inputs: np.ndarray,
                       targets: np.ndarray) -> dict[str, list[np.ndarray]]:
-  """Every attention's weights in one teacher-forced pass (the RNN has only the cross
-  attention, one layer, one head).
+  """Every attention's weights for one sentence pair (`model.forced_decoding.attention_maps`).
 
   Args:
     inputs: [src_len] source ids (EOS included); targets: [tgt_len] target ids (EOS included).
   Returns:
     {'encoder_self_attention' | 'decoder_self_attention' | 'cross_attention': per layer,
-    float32 [heads, queries, keys]}.
+    float32 [heads, queries, keys]} (the RNN: its cross attention only).
   """
-  _, state = model.apply({'params': params}, jnp.asarray(inputs)[None],
-                         jnp.asarray(targets)[None], mutable=['intermediates'])
-  recorded = state['intermediates']
-  if isinstance(model, RNN):  # One attention: the decoder's over the encoder states.
-    steps = recorded['decoder']['attention_weights'][0]  # [1, tgt_len, 1, src_len]
-    return {'cross_attention': [np.asarray(steps[0, :, 0], np.float32)[None]]}
-  weights = {}
-  for name, (side, module), _, _ in ATTENTIONS:
-    layers = recorded[side]
-    weights[name] = [np.asarray(layers[f'layers_{i}'][module]['attention_weights'][0][0],
-                                np.float32) for i in range(len(layers))
-                     if f'layers_{i}' in layers]
-  return weights
+  _, maps = attention_maps(model, params, jnp.asarray(inputs)[None], jnp.asarray(targets)[None])
+  return {name: [np.asarray(weights[0]) for weights in layers] for name, layers in maps.items()}
 
 
 def draw(weights: np.ndarray, query_pieces: list[str], key_pieces: list[str], title: str,
@@ -118,7 +107,7 @@ def plot(workdir: str, sentences: list[str], output_dir: str, targets: list[str]
   if targets is None:
     translator = translator_lib.Translator(model, tokenizer, config.decode, mesh,
                                         beam_size=beam_size, details=True)
-    best = [outputs[0] for outputs in translator(translator.place(params), sentences)]
+    best = [outputs[0] for outputs in translator(params, sentences)]
     target_ids = [np.array([piece_ids[p] for p in output['tokens']], np.int32)
                   for output in best]
     logging.info('Translated %d sentences with %s.', len(sentences), origin)
@@ -136,7 +125,7 @@ def plot(workdir: str, sentences: list[str], output_dir: str, targets: list[str]
               'target': [pieces[t] if t != EOS_ID else '</s>' for t in outputs]}
     weights = attention_weights(model, params, inputs, outputs)
     prefix = os.path.join(output_dir, f'{index}_')
-    for name, _, queries, keys in ATTENTIONS:
+    for name, (queries, keys) in SIDES.items():
       for layer, layer_weights in enumerate(weights.get(name, [])):
         path = f'{prefix}{name}_layer{layer}.png'
         draw(layer_weights, labels[queries], labels[keys],

@@ -8,7 +8,7 @@ shape's beam search (timed), then times every batch over `--repeats` passes (the
 pass is reported). Per batch: rows x padded source length, sentences, the longest output
 (the steps a batch runs under `stopping='early'`), the mean output length and the fraction
 of row-steps that decode a sentence still running (sum of output lengths / (rows x longest)).
-Then the same sentences through continuous batching (`model/continuous_batching.py`, what
+Then the same sentences through continuous batching (`model/cpu/continuous_batching.py`, what
 `decode.py` runs on one CPU device for more than `translator_lib.CONTINUOUS_SLOTS` sentences):
 its compile time, its pass, and whether its translations equal the batches'.
 """
@@ -23,7 +23,7 @@ import time
 import jax
 import numpy as np
 
-from model import EOS_ID, continuous_batching, transformer_beam_search
+from model import EOS_ID, transformer_beam_search, transformer_continuous_beam_search
 from nmt import batching, runs, sharding, text_io
 from nmt import translator as translator_lib
 
@@ -86,7 +86,7 @@ def measure_continuous(model, params, sources: list[np.ndarray], decode, repeats
   if more:
     raise ValueError(f'{len(sources)} sentences make {1 + len(more)} queues; time one.')
   search = jax.jit(functools.partial(
-      continuous_batching.transformer_continuous_beam_search, model,
+      transformer_continuous_beam_search, model,
       slots=translator_lib.CONTINUOUS_SLOTS, refill=translator_lib.CONTINUOUS_REFILL,
       beam_size=decode.beam_size, alpha=decode.alpha, max_extra_length=decode.max_extra_length,
       stopping=decode.stopping, min_length=decode.min_length),

@@ -65,13 +65,13 @@ def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
   points = []
   for step, at in zip(steps, minutes):
     params, _ = runs.load_params(workdir, mesh, step)
-    scores = scoring.score(translator(translator.place(params), sources), references)
+    scores = scoring.score(translator(params, sources), references)
     points.append({'step': step, 'minutes': at, 'bleu': scores['bleu'],
                    'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']})
     print(json.dumps(points[-1]), flush=True)
   count = min(config.average_last_checkpoints, len(checkpoints.saved_steps(workdir)))
   params, origin = runs.load_params(workdir, mesh, None, count)
-  scores = scoring.score(translator(translator.place(params), sources), references)
+  scores = scoring.score(translator(params, sources), references)
   final = {'checkpoint': origin, 'minutes': minutes[-1], 'bleu': scores['bleu'],
            'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']}
   print(json.dumps(final), flush=True)

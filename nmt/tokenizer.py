@@ -38,6 +38,10 @@ class Tokenizer:
     tokens = np.fromiter(itertools.chain.from_iterable(ids), self.token_dtype, int(lengths.sum()))
     return tokens, lengths
 
+  def encode_pieces(self, text: str) -> list[str]:
+    """One text's pieces, as `encode` splits it (without the EOS)."""
+    return self._sp.encode(text, out_type=str)
+
   def pieces(self) -> list[str]:
     """The vocabulary's pieces in id order."""
     return [self._sp.id_to_piece(i) for i in range(self.vocab_size)]

@@ -29,6 +29,7 @@ from model import (
   transformer_continuous_beam_search,
   transformer_ensemble_beam_search,
 )
+from model.forced_decoding import forced_decoding
 from model.search import STOPPING_RULES, check_alpha
 from nmt import batching, console, sharding
 from nmt.tokenizer import Tokenizer
@@ -116,7 +117,7 @@ class Translator:
                beam_size: int | None = None, alpha: float | None = None, nbest: int = 1,
                batch_tokens: int | None = None, stopping: str | None = None,
                details: bool = False, weights: list[float] | None = None,
-               min_length: int | None = None):
+               min_length: int | None = None, attention: bool = False):
     # A list of models is an ensemble: call with a list of their parameters.
     self.models = list(model) if isinstance(model, list | tuple) else None
     model = self.models[0] if self.models else model
@@ -124,8 +125,9 @@ class Translator:
       model = dataclasses.replace(model, config=dataclasses.replace(
           model.config, max_len=min(m.config.max_len for m in self.models)))
     self.model, self.tokenizer, self.mesh = model, tokenizer, mesh
-    self.details = details
+    self.details, self.attention = details, attention
     self._pieces = tokenizer.pieces()
+    self._piece_ids = {piece: i for i, piece in enumerate(self._pieces)}
     self.beam_size = beam_size or decode_config.beam_size
     self.alpha = decode_config.alpha if alpha is None else alpha
     check_alpha(self.alpha)
@@ -174,6 +176,18 @@ class Translator:
           min_length=self.min_length)
 
     self._continuous_search = jax.jit(continuous_search, static_argnames='max_length')
+
+    def forced(params, inputs, targets):
+      # Per member: token log-probabilities and cross-attention averaged over layers and heads.
+      members = [forced_decoding(m, p, inputs, targets) for m, p in
+                 zip(self.models, params)] if self.models else [
+                     forced_decoding(model, params, inputs, targets)]
+      shares = np.asarray(weights or [1.0] * len(members), np.float32)
+      shares = shares / shares.sum()
+      return (sum(w * lp for w, (lp, _) in zip(shares, members)),
+              sum(w * cross.mean(axis=1) for w, (_, cross) in zip(shares, members)))
+
+    self._forced = jax.jit(forced, out_shardings=sharding.replicated(mesh))
     self._continuous = (not self.models and not details and mesh.devices.size == 1 and
                         jax.process_count() == 1 and model.config.use_cpu_decoding)
     # Compiled searches by batch shape; a batch's program compiles in a thread while the
@@ -288,6 +302,8 @@ class Translator:
     `prefixes` (aligned with `sources`, '' for none) start the translations: each is decoded
     as given, then continued by the search, and kept verbatim in the text. A prefix is forced
     as the tokenizer splits it: a partly typed last word stays as typed (not completed).
+    Details also hold each target token's alignment (`align`) and, with `attention`, the
+    cross-attention matrix.
     """
     if prefixes is not None and len(prefixes) != len(sources):
       raise ValueError(f'{len(sources)} sources but {len(prefixes)} target prefixes.')
@@ -321,6 +337,8 @@ class Translator:
     except BaseException:  # Interrupted: compiles not yet started are dropped, not awaited.
       self._cancel_pending()
       raise
+    if self.details:
+      self.align(params, [token_ids[i] for i in nonempty], [outputs[i] for i in nonempty])
     return [o[0] for o in outputs] if self.nbest == 1 and not self.details else outputs
 
   def _collect(self, outputs: list, positions: list[int], sequences: np.ndarray,
@@ -359,3 +377,54 @@ class Translator:
             'log_prob': float(np.sum(token_log_probs[:length])),
             'tokens': [pieces[t] for t in sequence[:length].tolist()],
             'token_log_probs': [float(x) for x in token_log_probs[:length]]}
+
+  def forced(self, params: Any, source_ids: list[np.ndarray],
+             target_ids: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Forced decoding (`model.forced_decoding`) of token id pairs, each ending in EOS: per
+    pair, each target token's log-probability [tgt_len] and the cross-attention averaged
+    over layers and heads [tgt_len, src_len] (an ensemble's: its members' weighted means).
+    Pairs longer than the model's maximum are cut, with a warning."""
+    results: list[Any] = [None] * len(source_ids)
+    longest = self.model.config.max_len
+    for indices, arrays in batching.length_batches(
+        {'inputs': source_ids, 'targets': target_ids}, self.batch_tokens, longest,
+        row_multiple=self.mesh.devices.size):
+      placed = sharding.from_host_copy((arrays['inputs'], arrays['targets']), self._rows)
+      log_probs, attention = jax.device_get(self._forced(params, *placed))
+      for row, i in enumerate(indices):
+        target_length = int(np.sum(arrays['targets'][row] != PAD_ID))
+        source_length = int(np.sum(arrays['inputs'][row] != PAD_ID))
+        results[i] = (log_probs[row, :target_length],
+                      attention[row, :target_length, :source_length])
+    return results
+
+  def align(self, params: Any, source_ids: list[np.ndarray], details: list[list[dict]]) -> None:
+    """Adds to each details dict its target tokens' alignment: 'align', per target token (EOS
+    included) the source token (EOS included) it attends to most; with `attention`, also
+    'attention', the cross-attention rows [target token][source token]."""
+    pairs = [(i, d) for i, nbest in enumerate(details) for d in nbest]
+    targets = [np.array([self._piece_ids[p] for p in d['tokens']], np.int32) for _, d in pairs]
+    for (_, d), (_, attention) in zip(
+        pairs, self.forced(params, [source_ids[i] for i, _ in pairs], targets)):
+      d['align'] = [int(j) for j in np.argmax(attention, axis=-1)]
+      if self.attention:
+        d['attention'] = np.round(attention, 4).tolist()
+
+  def score(self, params: Any, sources: list[str], targets: list[str]) -> list[dict]:
+    """The model's scores of given translations (forced decoding), one dict per pair: text,
+    log_prob (their sum), tokens (the pieces, EOS included), token_log_probs, align and with
+    `attention` the cross-attention rows."""
+    if len(sources) != len(targets):
+      raise ValueError(f'{len(sources)} sources but {len(targets)} translations to score.')
+    source_ids, target_ids = self.tokenizer.encode(sources), self.tokenizer.encode(targets)
+    results = []
+    for text, ids, (log_probs, attention) in zip(
+        targets, target_ids, self.forced(params, source_ids, target_ids)):
+      scored = {'text': text, 'log_prob': float(np.sum(log_probs)),
+                'tokens': [self._pieces[t] for t in ids[:len(log_probs)].tolist()],
+                'token_log_probs': [float(x) for x in log_probs],
+                'align': [int(j) for j in np.argmax(attention, axis=-1)]}
+      if self.attention:
+        scored['attention'] = np.round(attention, 4).tolist()
+      results.append(scored)
+    return results

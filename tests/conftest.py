@@ -63,23 +63,40 @@ def needs_multi30k() -> None:
     pytest.skip(NEEDS_MULTI30K)
 
 
+# The checkpoints of `trained_run`.
+TRAINED_RUN_STEPS = (100, 200, 300)
+
+
 @pytest.fixture(scope='session')
-def tiny_run() -> str:
-  """A workdir of configs/tiny.py trained 12 steps (checkpoints 4, 8, 12), shared by every
-  test of the run that decodes or exports a run: read it, never write into it."""
+def trained_run() -> str:
+  """A workdir of configs/tiny.py trained 300 steps to copy English sentences (checkpoints
+  100, 200 and 300), shared by every test that decodes, exports or serves a run: read it,
+  never write into it. Its translations follow their sources in part, so they differ from
+  sentence to sentence (a parity test between two translators is then not trivially met)."""
   needs_multi30k()
 
   def build(path):
     import train
     from configs import tiny
+    data = os.path.join(path, 'data')  # English on both sides: a copy task.
+    os.mkdir(data)
+    for split in ('train', 'val', 'test_2016_flickr'):
+      for lang in ('en', 'xx'):
+        os.symlink(os.path.join(os.environ['MULTI30K_DIR'], f'{split}.en'),
+                   os.path.join(data, f'{split}.{lang}'))
     config = tiny.get_config()
-    config.num_train_steps = 12
-    config.checkpoint_every_steps = 4
+    config.data.dataset_name = f'folder:{data}'
+    config.data.target_lang = 'xx'
+    config.num_train_steps = TRAINED_RUN_STEPS[-1]
+    config.checkpoint_every_steps = TRAINED_RUN_STEPS[0]
+    config.optimizer.learning_rate_scale = 1.0
+    config.optimizer.warmup_steps = 60
     config.eval.every_steps = 1000
     config.eval.bleu_sentences = 0
-    train.train_and_evaluate(config, path)
+    config.log_every_steps = 100
+    train.train_and_evaluate(config, os.path.join(path, 'run'))
 
-  return built_once('tiny_run', build)
+  return os.path.join(built_once('trained_run', build), 'run')
 
 
 def pytest_sessionfinish(session, exitstatus):

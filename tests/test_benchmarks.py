@@ -217,13 +217,13 @@ def test_time_to_quality_thresholds_and_plot(tmp_path):
 
 
 @pytest.mark.slow
-def test_time_to_quality_scores_every_checkpoint(tiny_run):
+def test_time_to_quality_scores_every_checkpoint(trained_run):
   from benchmarks import time_to_quality
-  result = time_to_quality.measure(tiny_run, 'val', every_steps=8)
-  assert [p['step'] for p in result['points']] == [8, 12]
+  result = time_to_quality.measure(trained_run, 'val', every_steps=200)
+  assert [p['step'] for p in result['points']] == [200, 300]
   minutes = [p['minutes'] for p in result['points']]
   assert 0 < minutes[0] < minutes[1]
-  assert 'average of steps [8, 12]' in result['averaged']['checkpoint']
+  assert 'average of steps [200, 300]' in result['averaged']['checkpoint']
 
 
 def test_decode_batches_accounts_for_every_sentence_and_its_idle_rows(tmp_path):

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 import sacrebleu
+from parity import assert_varied
 
 from nmt import checkpoints, runs, sharding
 from nmt import translator as translator_lib
@@ -20,8 +21,8 @@ MULTI30K = os.environ.get('MULTI30K_DIR', '')
 
 
 @pytest.fixture
-def workdir(tiny_run):
-  return tiny_run
+def workdir(trained_run):
+  return trained_run
 
 
 def run_decode(*args, stdin=None):
@@ -48,6 +49,7 @@ def test_decode_keeps_line_count_and_order_and_scores_like_sacrebleu(workdir, tm
   hypotheses = (tmp_path / 'hyp.txt').read_text(encoding='utf-8').split('\n')[:-1]
   assert len(hypotheses) == len(lines)
   assert hypotheses[3] == ''
+  assert_varied(hypotheses)
   stderr = result.stderr.decode()
   assert 'truncating 1 sequence(s)' in stderr
   expected = sacrebleu.corpus_bleu(hypotheses, [refs]).score
@@ -165,6 +167,7 @@ def test_stdin_from_a_pipe_is_translated_line_by_line_as_it_arrives(workdir):
   config, tokenizer, model = runs.load_run(workdir)
   translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
   params, _ = runs.load_params(workdir, translator.mesh)
+  assert_varied(outputs, share=1.0)
   assert outputs == translator(params, lines)
   assert outputs[1] == ''
 
@@ -184,6 +187,46 @@ def test_json_output_gives_nbest_scores_pieces_and_token_log_probs(workdir):
       assert len(hypothesis['tokens']) == len(hypothesis['token_log_probs'])
       assert sum(hypothesis['token_log_probs']) == pytest.approx(hypothesis['log_prob'],
                                                                  abs=1e-4)
+      # One alignment per target piece, into the source's pieces (EOS included).
+      assert len(hypothesis['align']) == len(hypothesis['tokens'])
+      assert all(0 <= j < len(entry['source_tokens']) for j in hypothesis['align'])
+      assert 'attention' not in hypothesis
+    assert entry['source_tokens'][-1] == '</s>'
+
+
+def test_score_reference_gives_the_searchs_own_scores_and_the_attention(workdir, tmp_path):
+  """Scoring the search's own best translations gives back its per-token log-probabilities
+  (forced decoding, a full forward pass, against the search's incremental decoding)."""
+  source = tmp_path / 'src.txt'
+  source.write_text('A dog runs in the snow.\nTwo men talk.\nA woman sings a song.\n',
+                    encoding='utf-8')
+  result = run_decode('--workdir', workdir, '--input', str(source), '--output_format', 'json',
+                      '--attention')
+  assert result.returncode == 0, result.stderr.decode()[-3000:]
+  searched = [json.loads(line)['translations'][0]
+              for line in result.stdout.decode().split('\n')[:-1]]
+  assert len({s['text'] for s in searched}) == 3  # Varied translations.
+  for s in searched:
+    assert len(s['attention']) == len(s['tokens'])
+    assert all(sum(row) == pytest.approx(1.0, abs=1e-3) for row in s['attention'])
+    assert s['align'] == [int(np.argmax(row)) for row in s['attention']]
+  reference = tmp_path / 'ref.txt'
+  reference.write_text(''.join(s['text'] + '\n' for s in searched), encoding='utf-8')
+  scored = run_decode('--workdir', workdir, '--input', str(source), '--reference',
+                      str(reference), '--score_reference', '--output_format', 'json')
+  assert scored.returncode == 0, scored.stderr.decode()[-3000:]
+  for line, s in zip(scored.stdout.decode().split('\n')[:-1], searched, strict=True):
+    entry = json.loads(line)
+    assert entry['reference'] == s['text'] and entry['tokens'] == s['tokens']
+    np.testing.assert_allclose(entry['token_log_probs'], s['token_log_probs'], atol=1e-4)
+    assert entry['align'] == s['align']
+  plain = run_decode('--workdir', workdir, '--input', str(source), '--reference',
+                     str(reference), '--score_reference')
+  assert plain.returncode == 0, plain.stderr.decode()[-3000:]
+  assert [float(x) for x in plain.stdout.decode().split()] == pytest.approx(
+      [s['log_prob'] for s in searched], abs=1e-4)
+  missing = run_decode('--workdir', workdir, '--input', str(source), '--score_reference')
+  assert missing.returncode == 1 and b'--reference' in missing.stderr
 
 
 def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
@@ -216,13 +259,20 @@ def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
 
 
 def test_an_ensemble_of_two_checkpoints_translates_and_bad_weights_are_one_line(workdir):
-  result = run_decode('--workdir', workdir, '--checkpoint', '12', '--input', '-', '--ensemble',
-                      f'{workdir}:8', '--ensemble_weights', '2,1', stdin=b'A dog.\n\nTwo men.\n')
+  result = run_decode('--workdir', workdir, '--checkpoint', '300', '--input', '-', '--ensemble',
+                      f'{workdir}:200', '--ensemble_weights', '2,1', stdin=b'A dog.\n\nTwo men.\n')
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   lines = result.stdout.decode().split('\n')[:-1]
   assert len(lines) == 3 and lines[1] == '' and lines[0]
   assert 'an ensemble of' in result.stderr.decode()
-  result = run_decode('--workdir', workdir, '--input', '-', '--ensemble', f'{workdir}:8',
+  # An ensemble of a checkpoint with itself is that checkpoint.
+  source = b'A dog runs in the snow.\nTwo men are talking.\nA woman sings a song.\n'
+  alone, twice = (run_decode('--workdir', workdir, '--checkpoint', '300', '--input', '-', *extra,
+                             stdin=source) for extra in ((), ('--ensemble', f'{workdir}:300')))
+  assert alone.returncode == twice.returncode == 0, twice.stderr.decode()[-3000:]
+  assert_varied(alone.stdout.decode().split('\n')[:-1], share=1.0)
+  assert twice.stdout == alone.stdout
+  result = run_decode('--workdir', workdir, '--input', '-', '--ensemble', f'{workdir}:200',
                       '--ensemble_weights', '1', stdin=b'A dog.\n')
   stderr = result.stderr.decode()
   assert result.returncode == 1 and '1 weights for 2 models' in stderr, stderr
@@ -252,8 +302,8 @@ def test_an_ensemble_member_with_another_tokenizer_is_refused(workdir, tmp_path)
     (('--input', '-', '--output', '.'), 'is a folder'),
     (('--input', '-', '--alpha', 'nan'), 'must be a finite number >= 0'),
     (('--input', '-', '--alpha', '-1'), 'must be a finite number >= 0'),
-    (('--input', '-', '--checkpoint', '12', '--average_last', '2'), 'not both'),
-    (('--input', '-', '--ensemble', 'WORKDIR:8', '--ensemble_weights', 'a,b'),
+    (('--input', '-', '--checkpoint', '300', '--average_last', '2'), 'not both'),
+    (('--input', '-', '--ensemble', 'WORKDIR:200', '--ensemble_weights', 'a,b'),
      'comma-separated numbers'),
     (('--input', '-', '--target_prefix', 'prefix.txt'), 'not a pipe'),
     (('--input', '-', '--min_length', '500'), 'min_length must be between 0 and')])
@@ -276,7 +326,7 @@ def test_a_failed_call_leaves_an_existing_output_file_as_it_was(workdir, tmp_pat
   source.write_text('A dog.\n', encoding='utf-8')
   output.write_text('precious\n', encoding='utf-8')
   result = run_decode('--workdir', workdir, '--input', str(source), '--output', str(output),
-                      '--ensemble', f'{workdir}:8', '--ensemble_weights', '0,0')
+                      '--ensemble', f'{workdir}:200', '--ensemble_weights', '0,0')
   assert result.returncode == 1 and 'not all 0' in result.stderr.decode()
   assert output.read_text(encoding='utf-8') == 'precious\n'
   empty = tmp_path / 'empty.txt'

@@ -29,13 +29,13 @@ def val_sentences(count):
 
 
 @pytest.fixture(scope='module')
-def converted(tiny_run, tmp_path_factory):
+def converted(trained_run, tmp_path_factory):
   """The tiny run's newest checkpoint as a CTranslate2 folder, and the run loaded here."""
   folder = str(tmp_path_factory.mktemp('ct2'))
-  export.export(tiny_run, folder, format='ctranslate2')
-  config, tokenizer, model = runs.load_run(tiny_run)
+  export.export(trained_run, folder, format='ctranslate2')
+  config, tokenizer, model = runs.load_run(trained_run)
   mesh = sharding.make_mesh()
-  params, _ = runs.load_params(tiny_run, mesh)
+  params, _ = runs.load_params(trained_run, mesh)
   return folder, config, tokenizer, model, params, mesh
 
 
@@ -117,14 +117,14 @@ def test_beam_search_translations_equal_ours(copy_model):
   assert len({len(x) for x in ours}) >= 4 and 0 < copied < len(ours), copied
 
 
-def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(tiny_run, tmp_path):
+def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(trained_run, tmp_path):
   """Into a folder holding a jax export: refused, then with --overwrite only CTranslate2's
   files are left (the two kinds of model are not mixed)."""
   folder = tmp_path / 'int8'
   folder.mkdir()
   for name in ('translator.json', 'translator_8.jax', 'params.npz', 'serving.py'):
     (folder / name).write_text('x')
-  command = [sys.executable, 'export.py', '--workdir', tiny_run, '--format', 'ctranslate2',
+  command = [sys.executable, 'export.py', '--workdir', trained_run, '--format', 'ctranslate2',
              '--quantization', 'int8', '--output', str(folder)]
   result = subprocess.run(command, cwd=REPO, capture_output=True, timeout=300)
   stderr = result.stderr.decode()
@@ -134,14 +134,14 @@ def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(tiny_run, 
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   assert sorted(os.listdir(folder)) == ['config.json', 'model.bin', 'shared_vocabulary.json',
                                         'tokenizer.model']
-  _, tokenizer, _ = runs.load_run(tiny_run)
+  _, tokenizer, _ = runs.load_run(trained_run)
   sources, _ = val_sentences(4)
   results = ctranslate2.Translator(str(folder)).translate_batch(pieces(tokenizer, sources),
                                                                  max_decoding_length=20)
   assert len(results) == 4 and all(r.hypotheses[0] for r in results)
 
   run = tmp_path / 'gelu_run'
-  shutil.copytree(tiny_run, run)
+  shutil.copytree(trained_run, run)
   saved = json.loads((run / 'config.json').read_text())
   saved['model']['activation'] = 'gelu'
   (run / 'config.json').write_text(json.dumps(saved))

@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+from parity import assert_varied
 
 from nmt import runs, sharding, text_io
 from nmt import translator as translator_lib
@@ -47,9 +48,9 @@ ISOLATED = isolated()
 
 
 @pytest.fixture(scope='module')
-def exported(tiny_run, tmp_path_factory):
+def exported(trained_run, tmp_path_factory):
   folder = str(tmp_path_factory.mktemp('exported'))
-  result = subprocess.run([sys.executable, 'export.py', '--workdir', tiny_run, '--format', 'jax',
+  result = subprocess.run([sys.executable, 'export.py', '--workdir', trained_run, '--format', 'jax',
                            '--output', folder], cwd=REPO, capture_output=True, timeout=600)
   assert result.returncode == 0, result.stderr.decode()[-3000:]
   return folder
@@ -62,13 +63,14 @@ def sources():
   return picked[:2] + [''] + picked[2:] + [' '.join(lines[:12]), 'Hi.']
 
 
-def test_exported_translator_equals_decode(tiny_run, exported, tmp_path):
-  config, tokenizer, model = runs.load_run(tiny_run)
+def test_exported_translator_equals_decode(trained_run, exported, tmp_path):
+  config, tokenizer, model = runs.load_run(trained_run)
   translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = runs.load_params(tiny_run, translator.mesh)
+  params, _ = runs.load_params(trained_run, translator.mesh)
   lines = sources()
   expected = translator(params, lines)
   assert expected[2] == ''
+  assert_varied(expected)
 
   sys.path.insert(0, exported)
   try:
@@ -86,7 +88,7 @@ def test_exported_translator_equals_decode(tiny_run, exported, tmp_path):
   assert 'cut to 128' in result.stderr.decode()
 
 
-def test_exported_continuous_batching_equals_decode(tiny_run, exported, monkeypatch):
+def test_exported_continuous_batching_equals_decode(trained_run, exported, monkeypatch):
   """More sentences than the slots: a CPU export decodes them with continuous batching (one
   program per bucket, a queue of fixed size), with decode.py's translations."""
   with open(os.path.join(exported, 'translator.json'), encoding='utf-8') as f:
@@ -94,10 +96,11 @@ def test_exported_continuous_batching_equals_decode(tiny_run, exported, monkeypa
   assert continuous['slots'] == translator_lib.CONTINUOUS_SLOTS
   lines = text_io.read_lines(os.path.join(os.environ['MULTI30K_DIR'], 'val.en'))
   lines = lines[:translator_lib.CONTINUOUS_SLOTS + 20] + ['']
-  config, tokenizer, model = runs.load_run(tiny_run)
+  config, tokenizer, model = runs.load_run(trained_run)
   translator = translator_lib.Translator(model, tokenizer, config.decode, sharding.make_mesh())
-  params, _ = runs.load_params(tiny_run, translator.mesh)
+  params, _ = runs.load_params(trained_run, translator.mesh)
   expected = translator(params, lines)  # The batch search over the test's 8 devices.
+  assert_varied(expected)
 
   sys.path.insert(0, exported)
   try:

@@ -16,15 +16,15 @@ from nmt import checkpoints, runs
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_pictures_and_weights_of_a_trained_run(tiny_run, tmp_path):
+def test_pictures_and_weights_of_a_trained_run(trained_run, tmp_path):
   sentences = ['A man is riding a bike .', 'Two dogs play in the snow .']
   targets = ['Ein Mann fährt Fahrrad .', 'Zwei Hunde spielen im Schnee .']
-  written = plot_attention.plot(tiny_run, sentences, str(tmp_path), targets=targets)
-  config, tokenizer, model = runs.load_run(tiny_run)
+  written = plot_attention.plot(trained_run, sentences, str(tmp_path), targets=targets)
+  config, tokenizer, model = runs.load_run(trained_run)
   layers = config.model.num_encoder_layers
   assert len(written) == len(sentences) * (3 * layers + 2)
   assert all(os.path.getsize(path) > 1000 for path in written)
-  params = checkpoints.load_params(tiny_run)[0]
+  params = checkpoints.load_params(trained_run)[0]
 
   saved = np.load(tmp_path / '1_attention.npz')
   source_ids, target_ids = tokenizer.encode(sentences[1:])[0], tokenizer.encode(targets[1:])[0]
