@@ -379,7 +379,8 @@ def test_layer_inputs_are_scaled_embeddings_plus_sinusoids_from_position_0():
   rng = np.random.default_rng(5)
   inputs = rng.integers(3, 13, size=(BATCH, K_LEN)).astype(np.int32)
   targets = rng.integers(3, 13, size=(BATCH, Q_LEN)).astype(np.int32)
-  params = jax.jit(model.init)(jax.random.key(0), inputs, targets)['params']
+  params = randomized(jax.eval_shape(model.init, jax.random.key(0), inputs, targets)['params'],
+                      rng)
 
   @jax.jit
   def layer_inputs(params, inputs, targets):
@@ -500,6 +501,16 @@ def test_rnn_decoder_follows_its_documented_recurrence(score, input_feeding):
 # Training: label smoothing and the learning-rate schedule.
 
 
+def label_smoothed_loss(logits, targets, weights, smoothing) -> float:
+  """sum over tokens of weight * KL(q || softmax(logits)), q the smoothed targets (float64)."""
+  logits = np.asarray(logits, np.float64)
+  log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+  q = np.full(logits.shape, smoothing / (logits.shape[-1] - 1))
+  np.put_along_axis(q, targets[..., None], 1 - smoothing, axis=-1)
+  terms = np.where(q > 0, q * (np.log(np.where(q > 0, q, 1)) - log_p), 0.0)
+  return float((terms.sum(-1) * weights).sum())
+
+
 @pytest.mark.parametrize('smoothing', [0.0, 0.1, 0.3])
 def test_label_smoothed_loss_is_the_kl_divergence_to_the_smoothed_targets(smoothing):
   """nmt/optimization.py's documented loss: the cross-entropy against q = 1 - eps on the target
@@ -514,15 +525,48 @@ def test_label_smoothed_loss_is_the_kl_divergence_to_the_smoothed_targets(smooth
   sums = jax.jit(optimization.cross_entropy, static_argnums=3)(
       jnp.asarray(logits, jnp.float32), jnp.asarray(targets), jnp.asarray(weights, jnp.float32),
       smoothing)
+  want = label_smoothed_loss(logits, targets, weights, smoothing)
+  np.testing.assert_allclose(float(sums['loss']), want, rtol=RTOL)
   log_p = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-  q = np.full(logits.shape, smoothing / (vocab - 1))
-  np.put_along_axis(q, targets[..., None], 1 - smoothing, axis=-1)
-  terms = np.where(q > 0, q * (np.log(np.where(q > 0, q, 1)) - log_p), 0.0)
-  np.testing.assert_allclose(float(sums['loss']), (terms.sum(-1) * weights).sum(), rtol=RTOL)
   nll = -np.take_along_axis(log_p, targets[..., None], -1)[..., 0]
   np.testing.assert_allclose(float(sums['nll']), (nll * weights).sum(), rtol=RTOL)
   if smoothing:  # The comparison can fail: smoothing changes the loss.
     assert abs(float(sums['loss']) - (nll * weights).sum()) > 1e-2
+
+
+def test_train_step_reports_the_label_smoothed_loss_of_its_config():
+  """The compiled train step's loss (the sum it differentiates) is the label-smoothed loss
+  with the config's optimizer.label_smoothing (Vaswani et al. 2017, Section 5.4) over the real
+  target tokens of the batch, from the model's logits before the update."""
+  from configs import tiny
+  from nmt import sharding
+  config = tiny.get_config()
+  config.model.update(vocab_size=20, d_model=16, d_ff=32, max_len=16, dropout_rate=0.0)
+  config.optimizer.label_smoothing = 0.2
+  model = Transformer(TransformerConfig(**config.model))
+  mesh = sharding.make_mesh('', jax.devices()[:1])
+  optimizer = optimization.make_optimizer(config)
+  init = jax.tree_util.Partial(optimization.init_train_state, model, optimizer)
+  shardings = sharding.state_shardings(jax.eval_shape(init, jax.random.key(0)), mesh)
+  state = jax.jit(init, out_shardings=shardings)(jax.random.key(0))
+  params = jax.device_get(state['params'])
+  rng = np.random.default_rng(9)
+  inputs = rng.integers(3, 20, size=(2, 6)).astype(np.int32)
+  targets = rng.integers(3, 20, size=(2, 5)).astype(np.int32)
+  inputs[1, 4:], targets[1, 3:] = 0, 0
+  batch = {'inputs': inputs, 'targets': targets,
+           'inputs_segmentation': (inputs > 0).astype(np.int32),
+           'targets_segmentation': (targets > 0).astype(np.int32),
+           'inputs_positions': np.broadcast_to(np.arange(6, dtype=np.int32), (2, 6)).copy(),
+           'targets_positions': np.broadcast_to(np.arange(5, dtype=np.int32), (2, 5)).copy()}
+  step_fn, batch_sharding = optimization.compile_train_step(config, model, optimizer, mesh,
+                                                            shardings)
+  _, metrics = step_fn(state, sharding.from_host_rows(batch, batch_sharding))
+  logits = jax.jit(model.apply)({'params': params}, inputs, targets)
+  weights = (targets > 0).astype(np.float64)
+  np.testing.assert_allclose(float(metrics['loss']),
+                             label_smoothed_loss(logits, targets, weights, 0.2), rtol=RTOL)
+  assert float(metrics['tokens']) == weights.sum()
 
 
 def schedule_config(width_field: str, width: int, warmup: int, scale: float, cooldown: int,
