@@ -2,6 +2,7 @@
 fast test set must catch.
 
   nice -n 10 python tests/mutations.py [--json out.json] [--only name,name] [--list] [--keep]
+      [--exclude tests/test_formulas.py]
 
 Each mutation is a text substitution in one product file. For each, alone: the repository is
 copied to a temporary folder (without .git, .venv, runs, caches), the substitution applied
@@ -12,6 +13,8 @@ the first failure. The original text must occur exactly once in its file: a muta
 text the code no longer holds stops the script with an error instead of passing unnoticed.
 
 Before the mutations, the unmutated copy runs the first-choice test files, which must pass.
+`--exclude` leaves test files out, e.g. this check's own tests/test_formulas.py, to see what the
+rest of the fast set catches (a mutation it misses costs a run of the whole fast set).
 Prints a markdown table at the end; --json also writes the results with the machine.
 Not collected by pytest (its name does not start with test_).
 """
@@ -36,6 +39,9 @@ PYTEST = [sys.executable, '-m', 'pytest', '-x', '-q', '-m', 'not slow', '-p', 'n
 COPY_IGNORE = shutil.ignore_patterns('.git', '.venv', 'runs', 'build', '__pycache__',
                                      '*.egg-info', '.pytest_cache', '.ruff_cache')
 FORMULAS = 'tests/test_formulas.py'
+# tests/conftest.py finds the Multi30k files beside the repository, which a temporary copy is
+# not: the copies' tests are pointed at the original's, so the tests that need them run.
+MULTI30K = os.path.join(os.path.dirname(REPO), 'shared', 'data', 'multi30k')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,30 +188,38 @@ def copy_repo(destination: str) -> str:
 def run_pytest(root: str, args: list[str], timeout: float) -> dict:
   """pytest in `root` (its copy of the code first on sys.path): exit code, the first failing
   test (or collection error) and the output's tail."""
-  env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE='1')
+  # A wide terminal, so pytest's summary line keeps the failure's message after the test id.
+  env = dict(os.environ, PYTHONPATH=root, PYTHONDONTWRITEBYTECODE='1', COLUMNS='400')
+  if 'MULTI30K_DIR' not in env and os.path.isdir(MULTI30K):
+    env['MULTI30K_DIR'] = MULTI30K
   start = time.monotonic()
   try:
     done = subprocess.run(PYTEST + args, cwd=root, env=env, capture_output=True, text=True,
                           timeout=timeout)
   except subprocess.TimeoutExpired as e:
     output = (e.stdout or b'').decode() if isinstance(e.stdout, bytes) else (e.stdout or '')
-    return {'returncode': None, 'failed': None, 'seconds': time.monotonic() - start,
+    return {'returncode': None, 'failed': None, 'message': None,
+            'seconds': time.monotonic() - start,
             'tail': output[-2000:] + f'\nTIMEOUT after {timeout} s'}
   output = done.stdout + done.stderr
-  failed = re.findall(r'^(?:FAILED|ERROR) (\S+)', output, flags=re.MULTILINE)
-  return {'returncode': done.returncode, 'failed': failed[0] if failed else None,
+  failed = re.findall(r'^(?:FAILED|ERROR) (\S+)(?: - (.*))?$', output, flags=re.MULTILINE)
+  return {'returncode': done.returncode, 'failed': failed[0][0] if failed else None,
+          'message': failed[0][1][:300] if failed else None,
           'seconds': time.monotonic() - start, 'tail': output[-2000:]}
 
 
-def check_mutation(mutation: Mutation, timeout: float, keep: bool) -> dict:
-  """Applies `mutation` to a fresh copy and runs the fast set (first-choice files first)."""
+def check_mutation(mutation: Mutation, timeout: float, keep: bool,
+                   exclude: tuple[str, ...] = ()) -> dict:
+  """Applies `mutation` to a fresh copy and runs the fast set (first-choice files first),
+  leaving out the test files `exclude`."""
   workdir = tempfile.mkdtemp(prefix=f'mutation_{mutation.name}_')
   start = time.monotonic()
   try:
     root = copy_repo(workdir)
     apply_mutation(root, mutation)
-    phases = [list(mutation.first),
-              ['tests'] + [f'--ignore={path}' for path in mutation.first]]
+    first = [path for path in mutation.first if path not in exclude]
+    rest = ['tests'] + [f'--ignore={path}' for path in (*mutation.first, *exclude)]
+    phases = [first, rest] if first else [rest]
     runs = []
     for args in phases:
       runs.append({'args': args, **run_pytest(root, args, timeout)})
@@ -219,6 +233,7 @@ def check_mutation(mutation: Mutation, timeout: float, keep: bool) -> dict:
       run.pop('tail')
     return {'name': mutation.name, 'file': mutation.path, 'what': mutation.what,
             'status': status, 'caught': caught, 'failing_test': last['failed'],
+            'message': last.get('message'),
             'phase': len(runs), 'seconds': round(time.monotonic() - start, 1), 'runs': runs}
   finally:
     if keep:
@@ -227,9 +242,10 @@ def check_mutation(mutation: Mutation, timeout: float, keep: bool) -> dict:
       shutil.rmtree(workdir, ignore_errors=True)
 
 
-def baseline(mutations: list[Mutation], timeout: float) -> dict:
-  """The unmutated copy must pass every first-choice test file, or no result means anything."""
-  files = sorted({path for m in mutations for path in m.first})
+def baseline(mutations: list[Mutation], timeout: float, exclude: tuple[str, ...] = ()) -> dict:
+  """The unmutated copy must import its own code and pass every first-choice test file, or no
+  result means anything."""
+  files = sorted({path for m in mutations for path in m.first} - set(exclude))
   workdir = tempfile.mkdtemp(prefix='mutation_baseline_')
   try:
     root = copy_repo(workdir)
@@ -240,7 +256,7 @@ def baseline(mutations: list[Mutation], timeout: float) -> dict:
         check=True).stdout.split()
     if not all(os.path.realpath(path).startswith(os.path.realpath(root)) for path in imported):
       raise RuntimeError(f'the copy in {root} imports {imported}, not its own code')
-    run = run_pytest(root, files, timeout)
+    run = run_pytest(root, files, timeout) if files else {'returncode': 0, 'seconds': 0.0}
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   if run['returncode'] != 0:
@@ -285,6 +301,9 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument('--keep', action='store_true', help='keep the mutated copies')
   parser.add_argument('--no-baseline', action='store_true',
                       help='skip the unmutated run of the first-choice test files')
+  parser.add_argument('--exclude', action='append', default=[], metavar='TEST_FILE',
+                      help='leave this test file out (repeatable), e.g. tests/test_formulas.py '
+                      'to see what the rest of the fast set catches')
   parser.add_argument('--timeout', type=float, default=7200.0,
                       help='seconds per pytest run (the whole fast set takes tens of minutes)')
   args = parser.parse_args(argv)
@@ -308,15 +327,16 @@ def main(argv: list[str] | None = None) -> int:
                          f'{m.path} (must be exactly once):\n{m.original}')
   started = time.monotonic()
   report = {'date': datetime.datetime.now().isoformat(timespec='seconds'),
-            'commit': git_commit(), 'machine': machine(), 'pytest': ' '.join(PYTEST[1:])}
+            'commit': git_commit(), 'machine': machine(), 'pytest': ' '.join(PYTEST[1:]),
+            'excluded': args.exclude}
   if not args.no_baseline:
     print('baseline (unmutated) ...', flush=True)
-    report['baseline'] = baseline(selected, args.timeout)
+    report['baseline'] = baseline(selected, args.timeout, tuple(args.exclude))
     print(f'  passes in {report["baseline"]["seconds"]:.0f} s', flush=True)
   results = []
   for m in selected:
     print(f'{m.name} ...', flush=True)
-    result = check_mutation(m, args.timeout, args.keep)
+    result = check_mutation(m, args.timeout, args.keep, tuple(args.exclude))
     results.append(result)
     print(f'  {result["status"]}: {result["failing_test"]} ({result["seconds"]:.0f} s)',
           flush=True)

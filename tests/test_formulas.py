@@ -77,8 +77,8 @@ def sparsemax_row(z: np.ndarray) -> np.ndarray:
 
 def entmax15_row(z: np.ndarray) -> np.ndarray:
   """Peters, Niculae & Martins (2019), "Sparse Sequence-to-Sequence Models": alpha-entmax(z)_i =
-  [(alpha - 1) z_i - tau]_+^(1 / (alpha - 1)), with alpha = 1.5 max(z_i / 2 - tau, 0)^2, tau
-  the root of sum_i p_i = 1, found here by bisection (not the product's sort)."""
+  [(alpha - 1) z_i - tau]_+^(1 / (alpha - 1)), for alpha = 1.5 max(z_i / 2 - tau, 0)^2, with
+  tau the root of sum_i p_i = 1, found here by bisection (not the product's sort)."""
   mass = lambda tau: np.sum(np.maximum(z / 2 - tau, 0) ** 2)
   low, high = z.max() / 2 - 1, z.max() / 2  # mass(low) >= 1 > mass(high) = 0.
   for _ in range(200):
@@ -485,6 +485,9 @@ def test_rnn_decoder_follows_its_documented_recurrence(score, input_feeding):
                       rng)
   lstm_inputs = params['decoder']['lstm_0']['ii']['kernel'].shape[0]
   assert lstm_inputs == config.embed_dim + (config.hidden_dim if input_feeding else 0)
+  # 'general' and 'additive' project the encoder states (W e, W_k e); 'dot' has no W.
+  projects_memory = 'memory_projection' in params
+  assert projects_memory == (score != 'dot'), f'{score}: W e in the params: {projects_memory}'
 
   @jax.jit
   def run(params, inputs, targets):
