@@ -9,8 +9,10 @@ copied to a temporary folder (without .git, .venv, runs, caches), the substituti
 there, and `python -m pytest -x -q -m 'not slow' -p no:cacheprovider` run in the copy, first on
 the test files most likely to catch it, then, if none failed, on the rest of the fast set. A
 mutation is caught when some fast test fails (or a test file no longer imports); -x stops at
-the first failure. The original text must occur exactly once in its file: a mutation whose
-text the code no longer holds stops the script with an error instead of passing unnoticed.
+the first failure. A failing test outside the files the baseline checked counts only if it
+passes without the mutation; else it is recorded as failing already, left out, and the run
+goes on. The original text must occur exactly once in its file: a mutation whose text the
+code no longer holds stops the script with an error instead of passing unnoticed.
 
 Before the mutations, the unmutated copy runs the first-choice test files, which must pass.
 `--exclude` leaves test files out, e.g. this check's own tests/test_formulas.py, to see what the
@@ -208,10 +210,38 @@ def run_pytest(root: str, args: list[str], timeout: float) -> dict:
           'seconds': time.monotonic() - start, 'tail': output[-2000:]}
 
 
-def check_mutation(mutation: Mutation, timeout: float, keep: bool,
-                   exclude: tuple[str, ...] = ()) -> dict:
+class Original:
+  """One unmutated copy of the repository, made on first use: a test that fails there fails
+  for another reason than the mutation (a failure already on the branch)."""
+
+  def __init__(self, timeout: float):
+    self.timeout = timeout
+    self.workdir = None
+    self.verdicts: dict[str, bool] = {}
+
+  def passes(self, test: str) -> bool:
+    if test not in self.verdicts:
+      if self.workdir is None:
+        self.workdir = tempfile.mkdtemp(prefix='mutation_original_')
+        copy_repo(self.workdir)
+      run = run_pytest(os.path.join(self.workdir, 'repo'), [test], self.timeout)
+      self.verdicts[test] = run['returncode'] == 0
+    return self.verdicts[test]
+
+  def close(self):
+    if self.workdir is not None:
+      shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+MAX_PREEXISTING = 5  # Failures of the unmutated code stepped over before giving up.
+
+
+def check_mutation(mutation: Mutation, timeout: float, keep: bool, original: Original,
+                   exclude: tuple[str, ...] = (), first_checked: bool = True) -> dict:
   """Applies `mutation` to a fresh copy and runs the fast set (first-choice files first),
-  leaving out the test files `exclude`."""
+  leaving out the test files `exclude`. A failing test outside the first-choice files (all of
+  them unless `first_checked`, the baseline's) counts only if it passes on the unmutated code;
+  otherwise it is left out and the run goes on."""
   workdir = tempfile.mkdtemp(prefix=f'mutation_{mutation.name}_')
   start = time.monotonic()
   try:
@@ -220,21 +250,33 @@ def check_mutation(mutation: Mutation, timeout: float, keep: bool,
     first = [path for path in mutation.first if path not in exclude]
     rest = ['tests'] + [f'--ignore={path}' for path in (*mutation.first, *exclude)]
     phases = [first, rest] if first else [rest]
-    runs = []
-    for args in phases:
-      runs.append({'args': args, **run_pytest(root, args, timeout)})
-      if runs[-1]['returncode'] != 0:  # A failure, or an error that stops the check.
+    runs, preexisting = [], []
+    for phase, args in enumerate(phases, start=1):
+      while True:
+        left_out = [f'--deselect={t}' if '::' in t else f'--ignore={t}' for t in preexisting]
+        run = {'phase': phase, 'args': args + left_out, **run_pytest(root, args + left_out,
+                                                                     timeout)}
+        runs.append(run)
+        unconfirmed = run['failed'] and (phase > 1 or not first or not first_checked)
+        if (unconfirmed and len(preexisting) < MAX_PREEXISTING
+            and not original.passes(run['failed'])):
+          preexisting.append(run['failed'])
+          continue
+        break
+      if run['returncode'] != 0:  # A failure, or an error that stops the check.
         break
     last = runs[-1]
     # Exit 1: a test failed; 2: interrupted, e.g. by a test file that no longer imports.
-    caught = last['returncode'] in (1, 2) and last['failed'] is not None
+    caught = last['returncode'] in (1, 2) and last['failed'] is not None and (
+        last['failed'] not in preexisting)
     status = 'caught' if caught else ('not caught' if last['returncode'] == 0 else 'error')
     for run in runs[:-1] if not caught else runs:  # The output only where it explains more.
       run.pop('tail')
     return {'name': mutation.name, 'file': mutation.path, 'what': mutation.what,
             'status': status, 'caught': caught, 'failing_test': last['failed'],
-            'message': last.get('message'),
-            'phase': len(runs), 'seconds': round(time.monotonic() - start, 1), 'runs': runs}
+            'message': last.get('message'), 'phase': last['phase'],
+            'preexisting_failures': preexisting,
+            'seconds': round(time.monotonic() - start, 1), 'runs': runs}
   finally:
     if keep:
       print(f'  kept {workdir}', flush=True)
@@ -334,14 +376,20 @@ def main(argv: list[str] | None = None) -> int:
     report['baseline'] = baseline(selected, args.timeout, tuple(args.exclude))
     print(f'  passes in {report["baseline"]["seconds"]:.0f} s', flush=True)
   results = []
-  for m in selected:
-    print(f'{m.name} ...', flush=True)
-    result = check_mutation(m, args.timeout, args.keep, tuple(args.exclude))
-    results.append(result)
-    print(f'  {result["status"]}: {result["failing_test"]} ({result["seconds"]:.0f} s)',
-          flush=True)
-    if args.json:  # Written after every mutation, so a long run can be followed.
-      write_json(args.json, {**report, 'results': results})
+  original = Original(args.timeout)
+  try:
+    for m in selected:
+      print(f'{m.name} ...', flush=True)
+      result = check_mutation(m, args.timeout, args.keep, original, tuple(args.exclude),
+                              first_checked=not args.no_baseline)
+      results.append(result)
+      print(f'  {result["status"]}: {result["failing_test"]} ({result["seconds"]:.0f} s)'
+            + (f'; failing without the mutation too: {result["preexisting_failures"]}'
+               if result['preexisting_failures'] else ''), flush=True)
+      if args.json:  # Written after every mutation, so a long run can be followed.
+        write_json(args.json, {**report, 'results': results})
+  finally:
+    original.close()
   report['results'] = results
   report['seconds'] = round(time.monotonic() - started, 1)
   if args.json:
