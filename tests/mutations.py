@@ -128,9 +128,10 @@ MUTATIONS = [
              'return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** 1.0',
              'length_penalty ignores alpha (exponent 1)'),
     Mutation('label_smoothing_dropped', 'nmt/optimization.py',
-             '  confidence = 1.0 - label_smoothing\n  low = label_smoothing / (vocab - 1)\n',
-             '  confidence, low = 1.0, 0.0\n',
-             'cross_entropy puts all the target mass on the target'),
+             '  smoothed = (confidence - low) * nll - low * (logits.sum(-1) - vocab * '
+             'log_normaliser)\n',
+             '  smoothed = nll\n',
+             "cross_entropy's loss is the plain NLL (less the smoothed targets' entropy)"),
     Mutation('train_step_ignores_label_smoothing', 'nmt/optimization.py',
              'label_smoothing=config.optimizer.label_smoothing,',
              'label_smoothing=0.0,',
