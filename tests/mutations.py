@@ -6,7 +6,7 @@ fast test set must catch.
 
 Each mutation is a text substitution in one product file. For each, alone: the repository is
 copied to a temporary folder (without .git, .venv, runs, caches), the substitution applied
-there, and `python -m pytest -x -q -m 'not slow' -p no:cacheprovider` run in the copy, first on
+there, and `python -m pytest -x -q -n 0 -m 'not slow' -p no:cacheprovider` run in the copy, first on
 the test files most likely to catch it, then, if none failed, on the rest of the fast set. A
 mutation is caught when some fast test fails (or a test file no longer imports); -x stops at
 the first failure. A failing test outside the files the baseline checked counts only if it
@@ -37,7 +37,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PYTEST = [sys.executable, '-m', 'pytest', '-x', '-q', '-m', 'not slow', '-p', 'no:cacheprovider']
+# One process (-n 0), so the files most likely to catch a mutation run first, in order.
+PYTEST = [sys.executable, '-m', 'pytest', '-x', '-q', '-n', '0', '-m', 'not slow', '-p',
+          'no:cacheprovider']
 COPY_IGNORE = shutil.ignore_patterns('.git', '.venv', 'runs', 'build', '__pycache__',
                                      '*.egg-info', '.pytest_cache', '.ruff_cache')
 FORMULAS = 'tests/test_formulas.py'
