@@ -24,7 +24,7 @@ def get_config():
   config.model.num_decoder_layers = 1
   config.model.max_len = 128
   config.optimizer.warmup_steps = 10
-  config.optimizer.cooldown_steps = 0
+  config.optimizer.cooldown_fraction = 0.0
   config.optimizer.learning_rate_scale = 2.0
   config.checkpoint_every_steps = 10
   config.keep_checkpoints = 3

@@ -32,7 +32,7 @@ def get_config():
   config.model.max_len = 512
   config.model.dtype = 'bfloat16'
   config.optimizer.warmup_steps = 4000
-  config.optimizer.cooldown_steps = 0  # The paper's schedule to the end.
+  config.optimizer.cooldown_fraction = 0.0  # The paper's schedule to the end.
   config.checkpoint_every_steps = 2000
   config.keep_checkpoints = 5
   config.average_last_checkpoints = 5

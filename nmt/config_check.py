@@ -61,10 +61,12 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if not 0 < optimizer.learning_rate_scale < float('inf'):
     raise ConfigError(f'optimizer.learning_rate_scale must be positive and finite, got '
                       f'{optimizer.learning_rate_scale}.')
-  if not 0 <= optimizer.get('cooldown_steps', 0) <= config.num_train_steps:
-    raise ConfigError(f'optimizer.cooldown_steps must be in [0, num_train_steps='
-                      f'{config.num_train_steps}] (0: the paper\'s schedule to the end), got '
-                      f'{optimizer.cooldown_steps}.')
+  if 'cooldown_steps' in optimizer:
+    raise ConfigError('optimizer.cooldown_steps is now optimizer.cooldown_fraction, the share of '
+                      'num_train_steps the cooldown takes (e.g. 0.25).')
+  if not 0 <= optimizer.get('cooldown_fraction', 0.0) <= 1:
+    raise ConfigError(f'optimizer.cooldown_fraction must be in [0, 1] (0: the paper\'s schedule '
+                      f'to the end), got {optimizer.cooldown_fraction}.')
   if not 0 <= config.get('max_train_minutes', 0) < float('inf'):
     raise ConfigError(f'max_train_minutes must be 0 (no limit) or a positive number of minutes, '
                       f'got {config.max_train_minutes}.')

@@ -20,12 +20,14 @@ from nmt import sharding
 
 def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
   """The paper's rate: d_model^-0.5 * min(step^-0.5, step * warmup^-1.5) * scale, step from 1
-  (the RNN's hidden_dim in place of d_model); with `optimizer.cooldown_steps` = C > 0, the last
-  C steps of the run scale it down linearly, to 0 after step num_train_steps."""
+  (the RNN's hidden_dim in place of d_model); with `optimizer.cooldown_fraction` = f > 0, the
+  last C = round(f * num_train_steps) steps of the run scale it down linearly, to 0 after step
+  num_train_steps (a fraction, so a run shortened by --config.num_train_steps keeps its shape).
+  """
   width = config.model.d_model if 'd_model' in config.model else config.model.hidden_dim
   scale = config.optimizer.learning_rate_scale * width**-0.5
   warmup = config.optimizer.warmup_steps
-  cooldown = config.optimizer.get('cooldown_steps', 0)
+  cooldown = cooldown_steps(config)
   last_step = config.num_train_steps
 
   def schedule(count):
@@ -35,6 +37,11 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
       rate *= jnp.clip((last_step + 1 - step) / cooldown, 0.0, 1.0)
     return rate
   return schedule
+
+
+def cooldown_steps(config: ml_collections.ConfigDict) -> int:
+  """How many of the run's last steps the cooldown takes (0: the paper's schedule to the end)."""
+  return round(config.optimizer.get('cooldown_fraction', 0.0) * config.num_train_steps)
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:

@@ -577,7 +577,7 @@ def schedule_config(width_field: str, width: int, warmup: int, scale: float, coo
   return ml_collections.ConfigDict({
       'model': {width_field: width}, 'num_train_steps': steps,
       'optimizer': {'warmup_steps': warmup, 'learning_rate_scale': scale,
-                    'cooldown_steps': cooldown}})
+                    'cooldown_fraction': cooldown / steps}})
 
 
 @pytest.mark.parametrize('width_field, cooldown', [('d_model', 0), ('d_model', 300),
@@ -585,8 +585,9 @@ def schedule_config(width_field: str, width: int, warmup: int, scale: float, coo
 def test_learning_rate_schedule_is_the_papers_formula(width_field, cooldown):
   """lrate = scale * d_model^-0.5 * min(step^-0.5, step * warmup_steps^-1.5) (Vaswani et al.
   2017, Section 5.3, Eq. 3) at step = count + 1 (the RNN's hidden_dim in place of d_model);
-  with cooldown C the last C steps of the run multiply it by (num_train_steps + 1 - step) / C,
-  which reaches 0 after the last step, as nmt/optimization.py documents."""
+  with a cooldown of C = cooldown_fraction * num_train_steps steps, the last C steps of the run
+  multiply it by (num_train_steps + 1 - step) / C, which reaches 0 after the last step, as
+  nmt/optimization.py documents."""
   width, warmup, scale, steps = 96, 120, 1.7, 1000
   config = schedule_config(width_field, width, warmup, scale, cooldown, steps)
   schedule = optimization.learning_rate_schedule(config)

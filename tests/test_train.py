@@ -82,9 +82,9 @@ def test_schedule_matches_the_paper_formula():
 
 def test_cooldown_ramps_the_paper_rate_down_to_zero_at_the_last_step():
   config = small_config({'model.d_model': 256, 'optimizer.warmup_steps': 100,
-                         'num_train_steps': 1000, 'optimizer.cooldown_steps': 400})
+                         'num_train_steps': 1000, 'optimizer.cooldown_fraction': 0.4})
   schedule = optimization.learning_rate_schedule(config)
-  config.optimizer.cooldown_steps = 0
+  config.optimizer.cooldown_fraction = 0.0
   paper = optimization.learning_rate_schedule(config)
   for count in (0, 50, 99, 300, 599):  # Steps 1..600: the paper's rate.
     assert float(schedule(count)) == pytest.approx(float(paper(count)), rel=1e-6)
@@ -93,6 +93,21 @@ def test_cooldown_ramps_the_paper_rate_down_to_zero_at_the_last_step():
     assert float(schedule(step - 1)) == pytest.approx(expected, rel=1e-5)
   assert float(schedule(999)) > 0 and float(schedule(1000)) == 0.0
   assert all(float(schedule(c)) > float(schedule(c + 1)) for c in range(600, 999, 37))
+
+
+def test_a_run_shortened_on_the_command_line_keeps_its_cooldown_share():
+  """The recipe's cooldown is a share of the run: --config.num_train_steps=60 alone gives a
+  valid config whose last 15 steps cool down."""
+  from configs import multi30k
+  config = multi30k.get_config()
+  config.num_train_steps = 60
+  config_check.validate_config(config, sharding.make_mesh())
+  assert optimization.cooldown_steps(config) == 15
+  schedule = optimization.learning_rate_schedule(config)
+  assert float(schedule(44)) > float(schedule(45)) > float(schedule(59)) > 0 == float(schedule(60))
+  config.optimizer.cooldown_steps = 500  # A config written for the steps-based option.
+  with pytest.raises(config_check.ConfigError, match='now optimizer.cooldown_fraction'):
+    config_check.validate_config(config, sharding.make_mesh())
 
 
 def test_optimizer_clips_before_adam_and_decays_only_matrices():

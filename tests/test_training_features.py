@@ -48,8 +48,8 @@ def test_training_feature_config_errors():
                            'needs BLEU evaluations'),
                           ({'eval.early_stopping_patience': 3}, 'early_stopping_patience'),
                           ({'eval.early_stopping_patience': -1}, 'early_stopping_patience'),
-                          ({'optimizer.cooldown_steps': 21}, 'cooldown_steps must be in'),
-                          ({'optimizer.cooldown_steps': -1}, 'cooldown_steps must be in'),
+                          ({'optimizer.cooldown_fraction': 1.5}, 'cooldown_fraction must be in'),
+                          ({'optimizer.cooldown_fraction': -0.1}, 'cooldown_fraction must be in'),
                           ({'max_train_minutes': -5.0}, 'max_train_minutes must be'),
                           ({'max_train_minutes': float('inf')}, 'max_train_minutes must be')):
     with pytest.raises(config_check.ConfigError, match=message):
