@@ -98,9 +98,14 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   if score_reference:
     scored = translator.score(params, sources, references)
     if writes:
-      with open_output() as out:
+      out = open_output()
+      try:
         out.writelines(format_score(source, result, output_format, pieces) + '\n'
                        for source, result in zip(sources, scored, strict=True))
+        out.flush()
+      finally:
+        if out is not sys.stdout:
+          out.close()
     return None
   translations = []
   try:
