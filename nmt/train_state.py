@@ -58,9 +58,11 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   if init_params_from:
     logging.warning('%s has checkpoints: resuming them; --init_params_from is ignored.', workdir)
   params, optimizer_item, meta, ema_params = restored
-  state.update(params=params, **optimizer_item, step=jnp.asarray(meta['step'], jnp.int32),
-               nonfinite_total=jnp.asarray(meta.get('nonfinite_total', 0), jnp.int32),
-               nonfinite_in_a_row=jnp.asarray(meta.get('nonfinite_in_a_row', 0), jnp.int32))
+  counters = {'step': meta['step'], 'nonfinite_total': meta.get('nonfinite_total', 0),
+              'nonfinite_in_a_row': meta.get('nonfinite_in_a_row', 0)}
+  # Placed as the fresh state's: the training step allows no transfers between devices.
+  state.update(params=params, **optimizer_item, **{
+      k: jax.device_put(np.int32(v), shardings[k]) for k, v in counters.items()})
   if ema:
     if ema_params is None:
       logging.warning('Checkpoint %d has no moving average (it was saved without '
