@@ -133,7 +133,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
   sync_each_step = sharding.one_program_in_flight(mesh)
   logging.info('Training from step %d to %d.', start_step, last_step)
   stopped = stop_requests.stop_after(step)
-  out_of_time = bool(time_limit) and clock.minutes() >= time_limit  # A resumed one.
+  out_of_time = bool(time_limit) and clock.seconds_before / 60 >= time_limit  # Used up before.
   while step < last_step and not (stopped or keep_best.stopped or out_of_time):
     batch = sharding.from_host_rows(next(train_iter), batch_sharding)
     with jax.transfer_guard('disallow'):
