@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import heapq
 import io
-import itertools
 import os
 from collections.abc import Sequence
 
@@ -30,8 +29,6 @@ class Tokenizer:
     self.vocab_size = sp.get_piece_size()
     self.fingerprint = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
     self._merges: dict[str, tuple[float, int]] | None = None  # Piece -> (-score, id).
-    # Smallest unsigned dtype that holds every id: what flat token arrays are stored in.
-    self.token_dtype = np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.int32)
 
   def encode(self, texts: Sequence[str], *, dropout: float = 0.0,
              rng: np.random.Generator | None = None) -> list[np.ndarray]:
@@ -87,13 +84,6 @@ class Tokenizer:
       found = merges.get(piece)
       ids += [found[1]] if found else [self._bytes[b] for b in piece.encode('utf-8')]
     return ids
-
-  def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """All texts' ids end to end [total] (token_dtype), each ending with EOS_ID; lengths [n]."""
-    ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), self.token_dtype, int(lengths.sum()))
-    return tokens, lengths
 
   def pieces(self) -> list[str]:
     """The vocabulary's pieces in id order."""
