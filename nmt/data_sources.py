@@ -296,7 +296,8 @@ class PairSource:
   """Random access to a split's (source, target) texts as UTF-8 bytes.
 
   Holds array_record's data source (file paths and ranges), not the builder, so it pickles
-  into Grain's worker processes. Batched reads (`read`) cost a tenth of single ones.
+  into Grain's worker processes. It reads in batches (`read`): one record at a time costs far
+  more per record.
   """
 
   def __init__(self, builder: tfds.core.DatasetBuilder, split: str, langs: tuple[str, str]):
