@@ -37,7 +37,6 @@ import json
 import os
 import platform
 import random
-import resource
 import subprocess
 import sys
 import tempfile
@@ -135,7 +134,10 @@ def machine() -> dict:
 
 
 def peak_rss_mb() -> float:
-  return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)  # Linux: kB.
+  """This process's peak resident memory (VmHWM: ru_maxrss would count a parent's memory at
+  the fork that started it)."""
+  with open('/proc/self/status') as f:
+    return round(next(int(line.split()[1]) for line in f if line.startswith('VmHWM')) / 1024)
 
 
 def batch_hash(batch: dict) -> str:

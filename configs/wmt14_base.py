@@ -21,7 +21,6 @@ def get_config():
   config.data.max_length = 128
   config.data.batch_size = 192  # 192 rows x 128 = 24,576 token slots per side.
   config.data.num_shards = 64  # 3 rows each per step; runs on 1, 2, 4, ..., 64 hosts.
-  config.data.packing_bins = 16  # Per shard: 1,024 rows in the packers of all 64.
   config.model.vocab_size = 32000
   config.model.d_model = 512
   config.model.num_heads = 8
