@@ -64,7 +64,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
   """
   mesh = sharding.make_mesh(config.mesh_shape)
   validate_config(config, mesh)
-  input_pipeline.check_streams(config, jax.process_count())
   os.makedirs(workdir, exist_ok=True)
   # The lock comes before anything else touches the workdir.
   with StopRequests() as stop_requests, workdir_lock.WorkdirLock(workdir):
@@ -94,18 +93,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
   logging.info('Mesh: %s over %d devices on %d hosts.', dict(mesh.shape), mesh.devices.size,
                jax.process_count())
 
-  # Data: the tokenizer, this process's share of the training batches, the validation pairs.
-  processes = {'process_index': jax.process_index(), 'process_count': jax.process_count()}
-  tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir, **processes)
-  train_iter = input_pipeline.make_train_iterator(
-      config, tokenizer, state=meta.get('data_state'),
-      cache_dir=os.path.join(workdir, 'data_cache'), **processes)
-  val_sources, val_targets = input_pipeline.read_split(config, config.data.eval_split,
-                                                       **processes)
+  # Data: the tokenizer, this process's share of the training batches (where the checkpoint
+  # left them), the validation batches.
+  data = input_pipeline.make_data(
+      config, workdir, data_state=meta.get('data_state'), row_multiple=mesh.devices.size,
+      process_index=jax.process_index(), process_count=jax.process_count())
+  tokenizer, train_iter = data.tokenizer, data.train
 
   step_fn, batch_sharding = compile_train_step(config, model, optimizer, mesh, shardings)
-  evaluator = Evaluator(config, model, tokenizer, mesh, shardings['params'], val_sources,
-                        val_targets)
+  evaluator = Evaluator(config, model, tokenizer, mesh, shardings['params'], data.eval_batches,
+                        data.eval_sources, data.eval_targets)
   manager = checkpoints.make_manager(workdir, max_to_keep=config.keep_checkpoints)
   ema = 'ema_params' in state
   keep_best = KeepBest(config.eval, workdir, meta.get('best'), ema=ema)

@@ -40,8 +40,12 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   # Packed rows per step over all devices and hosts: batch_size * max_length token slots per
   # side. optimizer.grad_accum_steps splits them into micro-batches.
   config.data.batch_size = 32
-  config.data.shuffle_buffer = 65_536  # Packing window, in pairs.
-  config.data.num_streams = 4  # Parts of the train split; each host runs num_streams / hosts.
+  # Fixed shards of the train split, each its own shuffled, packed pipeline; batch_size rows
+  # divide over them and they divide over the hosts.
+  config.data.num_shards = 4
+  config.data.packing_bins = 64  # Rows each shard packs pairs into at once (best fit).
+  config.data.num_workers = 0  # Grain worker processes per host (0: in the training process).
+  config.data.bpe_dropout = 0.0  # Probability of skipping a BPE merge, training only.
 
   # model.make_model(config.model): every field of TransformerConfig (architecture
   # 'transformer', the default; configs/multi30k_rnn.py: the RNN's).

@@ -15,7 +15,7 @@ def get_config():
   config.data.spm_sample_size = 4000
   config.data.max_length = 32
   config.data.batch_size = 16
-  config.data.shuffle_buffer = 1024
+  config.data.packing_bins = 16
   config.model.vocab_size = 400
   config.model.d_model = 32
   config.model.num_heads = 2

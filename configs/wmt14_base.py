@@ -20,8 +20,7 @@ def get_config():
   config.data.spm_sample_size = 2_000_000  # Of the 9M sentences: a bounded BPE training.
   config.data.max_length = 128
   config.data.batch_size = 192  # 192 rows x 128 = 24,576 token slots per side.
-  config.data.shuffle_buffer = 1_000_000
-  config.data.num_streams = 64  # 3 rows each per step; runs on 1, 2, 4, ..., 64 hosts.
+  config.data.num_shards = 64  # 3 rows each per step; runs on 1, 2, 4, ..., 64 hosts.
   config.model.vocab_size = 32000
   config.model.d_model = 512
   config.model.num_heads = 8

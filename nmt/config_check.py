@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import ml_collections
 from jax.sharding import Mesh
 
@@ -55,6 +56,18 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if micro_batch % num_devices:
     raise ConfigError(f'data.batch_size / grad_accum_steps = {micro_batch} rows do not divide '
                       f'over {num_devices} devices; use a multiple of {num_devices}.')
+  if data.num_shards < 1 or data.batch_size % data.num_shards:
+    raise ConfigError(f'data.batch_size={data.batch_size} rows do not divide over '
+                      f'data.num_shards={data.num_shards}; set data.num_shards to a divisor of '
+                      f'{data.batch_size}.')
+  if data.num_shards % jax.process_count():
+    raise ConfigError(f'data.num_shards={data.num_shards} shards do not divide over '
+                      f'{jax.process_count()} processes; set data.num_shards to a multiple of '
+                      f'{jax.process_count()}.')
+  if data.packing_bins < 1 or data.num_workers < 0 or not 0 <= data.bpe_dropout < 1:
+    raise ConfigError(f'data.packing_bins must be positive ({data.packing_bins}), '
+                      f'data.num_workers 0 or more ({data.num_workers}), data.bpe_dropout in '
+                      f'[0, 1) ({data.bpe_dropout}).')
   if data.max_length > config.model.max_len:
     raise ConfigError(f'data.max_length={data.max_length} exceeds model.max_len='
                       f'{config.model.max_len}.')

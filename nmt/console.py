@@ -18,14 +18,15 @@ import sys
 from absl import flags, logging
 
 PROJECT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# TensorFlow's C++ start-up notices (the input pipeline imports it after this module). TF
-# only reads and batches text here, so its oneDNN math kernels, whose notice this is, are unused.
+# TensorFlow's C++ start-up notices (clu's TensorBoard writer and TFDS's preparation of large
+# datasets import it). TF only writes files here, so its oneDNN math kernels, whose notice
+# this is, are unused.
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '1')
 os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 
 
 # TFDS warnings about what the input pipeline does on purpose: builders named by a fingerprint
-# of their files (input_pipeline.ParallelTextFolder, Multi30k's local copy).
+# of their files (nmt.data_sources.ParallelTextFolder, Multi30k's local copy).
 _EXPECTED_LIBRARY_WARNINGS = ('Using custom data configuration', 'has no dataset_info.json')
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _NO_SPACE_TEXTS = ('No space left on device', 'Disk quota exceeded', 'File too large')

@@ -10,10 +10,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
+import numpy as np
 from jax.sharding import Mesh
 
 from model import Transformer
-from nmt import batching, scoring, sharding
+from nmt import scoring, sharding
 from nmt.optimization import cross_entropy
 from nmt.tokenizer import Tokenizer
 from nmt.translator import Translator
@@ -34,13 +35,13 @@ class Evaluator:
   """
 
   def __init__(self, config: ml_collections.ConfigDict, model: Transformer, tokenizer: Tokenizer,
-               mesh: Mesh, param_shardings: Any, sources: list[str], targets: list[str]):
+               mesh: Mesh, param_shardings: Any, batches: list[dict[str, np.ndarray]],
+               sources: list[str], targets: list[str]):
+    """batches: every validation pair once, {'inputs', 'targets'} int32 [rows, length] with
+    rows a multiple of the mesh's devices; sources, targets: the validation texts."""
     self.mesh, self.last_step = mesh, config.num_train_steps
     self.every, self.bleu_every = config.eval.every_steps, config.eval.bleu_every_steps
-    self.batches = [arrays for _, arrays in batching.length_batches(
-        {'inputs': tokenizer.encode(sources), 'targets': tokenizer.encode(targets)},
-        config.decode.batch_tokens, config.model.max_len, row_multiple=mesh.devices.size,
-        length_multiple=16)]
+    self.batches = batches
     self.bleu_sources = sources[:config.eval.bleu_sentences]
     self.bleu_references = targets[:config.eval.bleu_sentences]
     self.translator = Translator(model, tokenizer, config.decode, mesh)

@@ -5,7 +5,9 @@
   * parameter trees with the layers at the top level -> `encoder`/`decoder` groups
     (`upgrade_params`);
   * checkpoints whose meta records no checksums: restored unverified, with a warning
-    (`warn_unverified`); `averaged/` folders of the params item alone (`params_only_folder`).
+    (`warn_unverified`); `averaged/` folders of the params item alone (`params_only_folder`);
+  * data states of the earlier input pipeline, or of another `data.num_shards`: a warning, and
+    training data starts a fresh epoch (`upgrade_data_state`).
 """
 
 from __future__ import annotations
@@ -101,3 +103,21 @@ def params_only_folder(path: str) -> bool:
   """Whether a named checkpoint folder (`averaged/`, `best/`) holds the params item's files
   directly, without a meta item."""
   return not os.path.isdir(os.path.join(path, 'params'))
+
+
+def upgrade_data_state(state: dict[str, Any] | None, num_shards: int) -> dict[str, Any] | None:
+  """A checkpoint's data state if the training pipeline can continue from it, else None (a
+  fresh epoch): the earlier pipeline's states ({'epoch', 'batch_in_epoch'} of one stream,
+  {'num_streams', 'positions'} of several) and states of another number of shards cannot be
+  mapped onto these shards."""
+  if not state or (state.get('num_shards') == num_shards and 'shards' in state):
+    return state or None
+  if 'shards' in state:
+    why = f"was written with data.num_shards={state.get('num_shards')}, not {num_shards}"
+  elif 'positions' in state or 'epoch' in state:
+    why = 'is of the earlier input pipeline (epoch and batch positions)'
+  else:
+    why = f'is not one this version knows ({sorted(state)})'
+  logging.warning("The checkpoint's data state %s: the training data starts a fresh epoch, so "
+                  'its order from here differs from an uninterrupted run.', why)
+  return None

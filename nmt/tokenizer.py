@@ -1,11 +1,16 @@
 """The joint sentencepiece BPE tokenizer of a run: trained once from a sample of the training
-text (`train`), saved as WORKDIR/tokenizer.model, loaded by training, decoding and export."""
+text (`train`), saved as WORKDIR/tokenizer.model, loaded by training, decoding and export.
+
+BPE-dropout (Provilkov et al., 2020; training only) runs in Python over the model's merges
+(`Tokenizer.encode(..., dropout=p, rng=...)`): sentencepiece's own sampling draws from a
+generator that differs between processes, so its pieces could not be reproduced on a resume.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import io
-import itertools
 import os
 from collections.abc import Sequence
 
@@ -23,20 +28,62 @@ class Tokenizer:
     self._sp = sp
     self.vocab_size = sp.get_piece_size()
     self.fingerprint = hashlib.sha256(sp.serialized_model_proto()).hexdigest()
-    # Smallest unsigned dtype that holds every id: what flat token arrays are stored in.
-    self.token_dtype = np.dtype(np.uint16 if self.vocab_size <= 1 << 16 else np.int32)
+    self._merges: dict[str, tuple[float, int]] | None = None  # Piece -> (-score, id).
 
-  def encode(self, texts: Sequence[str]) -> list[np.ndarray]:
-    """Int32 id arrays [len_i], each ending with EOS_ID (one batched C++ call)."""
+  def encode(self, texts: Sequence[str], *, dropout: float = 0.0,
+             rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """Int32 id arrays [len_i], each ending with EOS_ID (one batched C++ call).
+
+    With dropout > 0 (BPE-dropout, training only): each merge is skipped with that probability,
+    drawn from `rng`, so the same texts and generator state give the same pieces anywhere.
+    """
+    if dropout > 0:
+      return [np.asarray(self._merge(text, dropout, rng) + [EOS_ID], np.int32) for text in texts]
     ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
     return [np.asarray(x, np.int32) for x in ids]
 
-  def encode_flat(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-    """All texts' ids end to end [total] (token_dtype), each ending with EOS_ID; lengths [n]."""
-    ids = self._sp.encode(list(texts), out_type=int, add_eos=True)
-    lengths = np.fromiter(map(len, ids), np.int64, len(ids))
-    tokens = np.fromiter(itertools.chain.from_iterable(ids), self.token_dtype, int(lengths.sum()))
-    return tokens, lengths
+  def _merge(self, text: str, dropout: float, rng: np.random.Generator) -> list[int]:
+    """The ids of one text by sentencepiece's BPE (bpe_model.cc): from single characters, the
+    adjacent pair whose merged piece has the highest score (ties: leftmost) merges first; a
+    candidate popped is dropped with probability `dropout`. Pieces not in the vocabulary fall
+    back to their UTF-8 bytes. Models with user-defined or unused pieces are not supported."""
+    if self._merges is None:
+      sp = self._sp
+      self._merges = {sp.id_to_piece(i): (-sp.get_score(i), i) for i in range(self.vocab_size)
+                      if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i))}
+      self._bytes = [sp.piece_to_id(f'<0x{b:02X}>') for b in range(256)]
+    merges, symbols = self._merges, list(self._sp.normalize(text))
+    count = len(symbols)
+    after, before = [*range(1, count), -1], list(range(-1, count - 1))
+    heap = []
+
+    def candidate(left: int, right: int) -> None:
+      if left >= 0 and right >= 0:
+        found = merges.get(symbols[left] + symbols[right])
+        if found is not None:
+          heapq.heappush(heap, (found[0], left, right, symbols[left] + symbols[right]))
+
+    for i in range(count - 1):
+      candidate(i, i + 1)
+    draws, drawn = rng.random(3 * count), 0  # At most one draw per candidate.
+    while heap:
+      _, left, right, piece = heapq.heappop(heap)
+      if not (symbols[left] and symbols[right]) or symbols[left] + symbols[right] != piece:
+        continue  # A side has merged since.
+      drawn += 1
+      if draws[drawn - 1] < dropout:
+        continue
+      symbols[left], symbols[right] = piece, ''
+      after[left] = after[right]
+      if after[right] >= 0:
+        before[after[right]] = left
+      candidate(before[left], left)
+      candidate(left, after[left])
+    ids = []
+    for piece in filter(None, symbols):
+      found = merges.get(piece)
+      ids += [found[1]] if found else [self._bytes[b] for b in piece.encode('utf-8')]
+    return ids
 
   def encode_pieces(self, text: str) -> list[str]:
     """One text's pieces, as `encode` splits it (without the EOS)."""
@@ -55,7 +102,6 @@ class Tokenizer:
       if i != PAD_ID and 0 <= i < self.vocab_size:
         out.append(i)
     return self._sp.decode(out)
-
 
 
 def load_tokenizer(path: str) -> Tokenizer:

@@ -4,6 +4,7 @@ parameters (or another run's, `--init_params_from`) with a fresh optimizer state
 from __future__ import annotations
 
 import functools
+import json
 import os
 from typing import Any
 
@@ -58,9 +59,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
   if init_params_from:
     logging.warning('%s has checkpoints: resuming them; --init_params_from is ignored.', workdir)
   params, optimizer_item, meta, ema_params = restored
-  state.update(params=params, **optimizer_item, step=jnp.asarray(meta['step'], jnp.int32),
-               nonfinite_total=jnp.asarray(meta.get('nonfinite_total', 0), jnp.int32),
-               nonfinite_in_a_row=jnp.asarray(meta.get('nonfinite_in_a_row', 0), jnp.int32))
+  state.update(params=params, **optimizer_item, step=np.int32(meta['step']),
+               nonfinite_total=np.int32(meta.get('nonfinite_total', 0)),
+               nonfinite_in_a_row=np.int32(meta.get('nonfinite_in_a_row', 0)))
   if ema:
     if ema_params is None:
       logging.warning('Checkpoint %d has no moving average (it was saved without '
@@ -74,12 +75,18 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
 
 
 def whole_data_state(train_iter: Any) -> dict[str, Any]:
-  """The data position of every stream: each process knows its own streams' (the others are
-  -1), so with several processes the maximum over processes is the whole state."""
+  """The training data's state of every shard: each process holds its own shards' (JSON), so
+  with several processes every process gathers the others'."""
   state = train_iter.get_state()
   if jax.process_count() > 1:
-    positions = multihost_utils.process_allgather(np.asarray(state['positions'], np.int64))
-    state = dict(state, positions=np.max(positions, axis=0).tolist())
+    mine = np.frombuffer(json.dumps(state['shards']).encode(), np.uint8)
+    sizes = multihost_utils.process_allgather(np.array([len(mine)], np.int64)).reshape(-1)
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:len(mine)] = mine
+    shards = {}
+    for row, size in zip(multihost_utils.process_allgather(padded), sizes.tolist()):
+      shards.update(json.loads(bytes(row[:size])))
+    state = dict(state, shards=shards)
   return state
 
 

@@ -75,13 +75,14 @@ def test_input_pipeline_benchmark_runs(tmp_path):
   results = input_pipeline_benchmark.main(['--workdir', str(tmp_path / 'work'), '--batches', '5',
                                            '--warmup', '1', '--json', str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(results))
-  assert (results['batch_size'], results['max_length'], results['vocab_size']) == (32, 64, 8000)
-  assert results['batches_per_second'] > 0 and results['target_tokens_per_second'] > 0
-  assert 0.9 <= results['packing_efficiency'] <= 1
-  # The first batch, 1 warm-up and 5 timed batches, from 4 streams.
-  assert results['final_state'] == {'num_streams': 4, 'positions': [[0, 7]] * 4}
-  assert results['resume_matches'] and 0 < results['resume_seconds'] < 60
-  assert results['peak_rss_mb'] > 0 and results['pack_epoch_seconds'] > 0
+  assert (results['batch_size'], results['max_length'], results['vocab_size'],
+          results['num_shards'], results['pairs']) == (32, 64, 8000, 4, 29000)
+  (run,) = results['runs']['1']
+  assert run['batches_per_second'] > 0 and run['target_tokens_per_cpu_second'] > 0
+  assert 0.85 <= run['packing_efficiency'] <= 1 and run['shards'] == [0, 3]
+  assert 0 < run['first_batch_seconds'] < run['process_to_first_batch_seconds']
+  assert run['resume_matches'] and 0 < run['resume_seconds'] < 60
+  assert run['peak_rss_mb'] > 0 and run['resume_peak_rss_mb'] > 0
 
 
 @needs_multi30k
@@ -92,11 +93,10 @@ def test_input_pipeline_benchmark_on_a_synthetic_corpus_with_two_processes(tmp_p
       '--vocab_size', '500', '--batches', '3', '--warmup', '1', '--json', str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(results))
   lines = (tmp_path / 'synthetic_1500' / 'train.de').read_text().splitlines()
-  assert len(lines) == 1500 and (results['num_streams'], results['batch_size']) == (64, 192)
+  assert len(lines) == 1500 and (results['num_shards'], results['batch_size']) == (64, 192)
   workers = results['runs']['2']
-  assert [w['streams'] for w in workers] == [[0, 31], [32, 63]]
+  assert [w['shards'] for w in workers] == [[0, 31], [32, 63]]
   assert all(w['resume_matches'] and w['peak_rss_mb'] > 0 for w in workers)
-  assert workers[0]['pairs'] + workers[1]['pairs'] <= 1500
 
 
 def _write_metrics(path, lines):

@@ -1,15 +1,16 @@
-"""Tests for input_pipeline.py, mostly on real Multi30k text ($MULTI30K_DIR or ../shared/data).
+"""Tests for input_pipeline.py and its libraries (nmt/data_sources.py, nmt/train_pipeline.py),
+mostly on real Multi30k text ($MULTI30K_DIR or ../shared/data).
 
 Tests that need the Multi30k files are skipped when they are absent.
 """
 
 import codecs
 import collections
-import dataclasses
 import gzip
 import importlib.util
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,19 +18,23 @@ import threading
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
 import input_pipeline as ip
 from configs import multi30k
 from model import EOS_ID, PAD_ID, UNK_ID
-from nmt import batching, text_io
+from nmt import batching, config_check, data_sources, legacy, sharding, text_io
 from nmt import tokenizer as tokenizer_lib
+from nmt import train_pipeline as tp
 
 MULTI30K = Path(os.environ.get(ip.MULTI30K_ENV) or
                 Path(__file__).resolve().parents[2] / 'shared' / 'data' / 'multi30k')
-needs_multi30k = pytest.mark.skipif(not (MULTI30K / 'train.en').is_file(),
-                                    reason=f'Multi30k test data not found at {MULTI30K}')
+needs_multi30k = pytest.mark.skipif(
+    not (MULTI30K / 'train.en').is_file(),
+    reason='needs the Multi30k files: set MULTI30K_DIR (../shared/data/multi30k on these machines)')
+TRAIN_PAIRS = 400  # The training pipeline's tests read train[:400]: an epoch in a few steps.
 
 
 def _write(folder: Path, name: str, lines, raw: bytes | None = None) -> None:
@@ -45,14 +50,15 @@ def _config(tmp: Path, folder: Path):
   config.data.spm_sample_size = 3000
   config.data.max_length = 32
   config.data.batch_size = 8
-  config.data.shuffle_buffer = 1024
+  config.data.packing_bins = 4
   config.model.vocab_size = 1000
   return config
 
 
 @pytest.fixture(scope='module')
 def small(tmp_path_factory):
-  """(config, tokenizer, (src, tgt)) for the first 2000 Multi30k pairs as a text folder."""
+  """(config, tokenizer, (src, tgt)) for the first 2000 Multi30k pairs as a text folder; the
+  config trains on the first TRAIN_PAIRS of them, in 4 shards of 2 rows a step."""
   tmp = tmp_path_factory.mktemp('small')
   folder = tmp / 'data'
   for lang in ('en', 'de'):
@@ -60,6 +66,7 @@ def small(tmp_path_factory):
     _write(folder, f'val.{lang}', text_io.read_lines(MULTI30K / f'val.{lang}')[:100])
   config = _config(tmp, folder)
   tokenizer = ip.load_or_train_tokenizer(config, str(tmp / 'work'))
+  config.workdir = str(tmp / 'work')
   return config, tokenizer, ip.read_split(config, 'train')
 
 
@@ -83,13 +90,6 @@ def _unpack(batch):
       yield segs[s]['inputs'], segs[s]['targets']
 
 
-def _expected_pairs(config, tokenizer, src, tgt):
-  s, t = tokenizer.encode(src), tokenizer.encode(tgt)
-  return collections.Counter(
-      (tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(s, t, strict=True)
-      if len(a) <= config.data.max_length and len(b) <= config.data.max_length)
-
-
 def _with_data(config, **data):
   """A copy of config with these config.data settings."""
   config = config.copy_and_resolve_references()
@@ -97,17 +97,36 @@ def _with_data(config, **data):
   return config
 
 
-def _global_batches(config, tokenizer, process_count, steps, state=None):
-  """`steps` global batches: every process's slice, concatenated in process order."""
-  its = [ip.make_train_iterator(config, tokenizer, process_index=p, process_count=process_count,
-                                state=state) for p in range(process_count)]
+def _train(config, **data):
+  """config training on train[:TRAIN_PAIRS] (and these config.data settings)."""
+  return _with_data(config, train_split=f'train[:{TRAIN_PAIRS}]', **data)
+
+
+def _iterator(config, process_index=0, process_count=1, state=None):
+  it = tp.TrainIterator(ip.open_split(config, config.data.train_split),
+                        tp.Settings.of(config, os.path.join(config.workdir, 'tokenizer.model')),
+                        process_index, process_count)
+  if state is not None:
+    it.set_state(state)
+  return it
+
+
+def _global_batches(config, process_count, steps, state=None):
+  """`steps` global batches (every process's rows, in process order) and the union of the
+  processes' states after them, through JSON."""
+  its = [_iterator(config, p, process_count, state) for p in range(process_count)]
   batches = [{k: np.concatenate([b[k] for b in parts]) for k in ip.FEATURE_KEYS}
              for parts in zip(*[[next(it) for _ in range(steps)] for it in its], strict=True)]
-  return batches, its
+  merged = {'num_shards': config.data.num_shards, 'shards': {}}
+  for it in its:
+    merged['shards'].update(it.get_state()['shards'])
+    it.close()
+  return batches, json.loads(json.dumps(merged))
 
 
 def _same(a, b):
-  return all(np.array_equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in ip.FEATURE_KEYS)
+  return len(a) == len(b) and all(np.array_equal(x[k], y[k]) for x, y in zip(a, b)
+                                  for k in ip.FEATURE_KEYS)
 
 
 @needs_multi30k
@@ -147,7 +166,7 @@ def test_tokenizer_deterministic_and_reused(small, tmp_path, monkeypatch):
   ip.load_or_train_tokenizer(config2, str(tmp_path / 'c'))
   assert (tmp_path / 'c' / 'tokenizer.model').read_bytes() != bytes_a
   # An existing model of the configured size is reused: neither data nor trainer is touched.
-  monkeypatch.setattr(ip, 'prepared_builder', _no_training)
+  monkeypatch.setattr(data_sources, 'prepared_builder', _no_training)
   monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, 'train', _no_training)
   reused = ip.load_or_train_tokenizer(config2, str(tmp_path / 'a'))
   assert reused.vocab_size == a.vocab_size == config.model.vocab_size
@@ -159,7 +178,7 @@ def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch
   config, tokenizer, _ = small
   path = tmp_path / 'tokenizer.model'
   path.write_bytes(tokenizer._sp.serialized_model_proto())
-  monkeypatch.setattr(ip, 'prepared_builder', _no_training)
+  monkeypatch.setattr(data_sources, 'prepared_builder', _no_training)
   monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, 'train', _no_training)
   assert ip.load_or_train_tokenizer(config, str(tmp_path)).vocab_size == 1000
   other = config.copy_and_resolve_references()
@@ -172,8 +191,8 @@ def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch
 @needs_multi30k
 def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkeypatch, caplog):
   config, tokenizer, _ = small
-  monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
-  monkeypatch.setattr(ip, 'WAIT_LOG_SECONDS', 0.1)
+  monkeypatch.setattr(data_sources, 'WAIT_POLL_SECONDS', 0.01)
+  monkeypatch.setattr(data_sources, 'WAIT_LOG_SECONDS', 0.1)
   monkeypatch.setattr(ip, 'tokenizer_sample', _no_training)
   monkeypatch.setattr(tokenizer_lib.spm.SentencePieceTrainer, 'train', _no_training)
   path = tmp_path / 'tokenizer.model'
@@ -186,7 +205,7 @@ def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkey
     waited = ip.load_or_train_tokenizer(config, str(tmp_path), process_index=1, process_count=2)
   writer.join()
   assert waited.vocab_size == 1000 and 'Process 1 waits for' in caplog.text
-  monkeypatch.setattr(ip, 'WAIT_TIMEOUT_SECONDS', 0.2)
+  monkeypatch.setattr(data_sources, 'WAIT_TIMEOUT_SECONDS', 0.2)
   with pytest.raises(ip.DataError, match=r'Process 1 waited .* for .*nowhere.tokenizer\.model'):
     ip.load_or_train_tokenizer(config, str(tmp_path / 'nowhere'), process_index=1,
                                process_count=2)
@@ -196,245 +215,21 @@ def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkey
 def test_only_process_0_prepares_tfds_data_others_wait(small, tmp_path, monkeypatch):
   config, _, _ = small
   config = _with_data(config, data_dir=str(tmp_path / 'tfds'))
-  monkeypatch.setattr(ip, 'WAIT_POLL_SECONDS', 0.01)
+  monkeypatch.setattr(data_sources, 'WAIT_POLL_SECONDS', 0.01)
   preparers = []
-  prepare = ip.ParallelTextFolder.download_and_prepare
+  prepare = data_sources.ParallelTextFolder.download_and_prepare
   def recorded_prepare(builder, *args, **kwargs):
     preparers.append(threading.current_thread().name)
     time.sleep(0.5)  # Process 1 asks meanwhile.
     return prepare(builder, *args, **kwargs)
-  monkeypatch.setattr(ip.ParallelTextFolder, 'download_and_prepare', recorded_prepare)
-  process_0 = threading.Thread(target=ip.prepared_builder, args=(config,), name='process 0')
+  monkeypatch.setattr(data_sources.ParallelTextFolder, 'download_and_prepare', recorded_prepare)
+  process_0 = threading.Thread(target=data_sources.prepared_builder, args=(config,),
+                               name='process 0')
   process_0.start()
   time.sleep(0.1)
   src, _ = ip.read_split(config, 'val', process_index=1, process_count=2)
   process_0.join()
   assert preparers == ['process 0'] and len(src) == 100
-
-
-def _reference_best_fit(src_lens, tgt_lens, order, max_length):
-  """Best-fit decreasing one pair at a time over a plain list of open rows."""
-  order = sorted(order, key=lambda p: (-(src_lens[p] + tgt_lens[p]), -src_lens[p]))
-  rows, room, placed_at = [], [], []
-  for step, p in enumerate(order):
-    a, b = int(src_lens[p]), int(tgt_lens[p])
-    fits = [r for r, (rs, rt) in enumerate(room) if rs >= a and rt >= b]
-    if not fits:
-      rows.append([p])
-      room.append((max_length - a, max_length - b))
-      placed_at.append(step)
-      continue
-    r = min(fits, key=lambda r: (sum(room[r]), room[r][0], -placed_at[r]))
-    rows[r].append(p)
-    room[r] = (room[r][0] - a, room[r][1] - b)
-    placed_at[r] = step
-  return rows
-
-
-def test_pack_rows_equals_pair_by_pair_best_fit():
-  for trial in range(20):
-    rng = np.random.default_rng(trial)
-    max_length = int(rng.choice([6, 16, 32]))
-    src = rng.integers(1, max_length + 1, 500)
-    tgt = np.clip(src + rng.integers(-3, 4, 500), 1, max_length)
-    if trial % 3 == 0:  # Few distinct lengths: long runs of equal pairs placed in bulk.
-      src, tgt = rng.integers(1, 4, 500), rng.integers(1, 4, 500)
-    order = rng.permutation(500)[:rng.integers(1, 400)]
-    pair_order, row_offsets = ip.pack_rows(src, tgt, order, max_length)
-    rows = [pair_order[row_offsets[r]:row_offsets[r + 1]].tolist()
-            for r in range(len(row_offsets) - 1)]
-    assert rows == _reference_best_fit(src, tgt, order, max_length)
-
-
-def _stream_pairs(batches, stream, rows_per_step, count):
-  """Pairs of a stream's rows in the first `count` global batches."""
-  rows = slice(stream * rows_per_step, (stream + 1) * rows_per_step)
-  return collections.Counter(p for b in batches[:count]
-                             for p in _unpack({k: v[rows] for k, v in b.items()}))
-
-
-@needs_multi30k
-def test_every_pair_once_per_stream_epoch(small):
-  """4 streams of 2 rows per step; stream s holds pairs [500 s, 500 (s + 1)) of the 2,000."""
-  config, tokenizer, (src, tgt) = small
-  it = ip.make_train_iterator(config, tokenizer)
-  epoch_batches = it.epoch_batches
-  assert len(epoch_batches) == 4 and 0.7 < it.packing_efficiency <= 1
-  batches = [next(it) for _ in range(max(epoch_batches))]
-  expected = [_expected_pairs(config, tokenizer, src[i:i + 500], tgt[i:i + 500])
-              for i in range(0, 2000, 500)]
-  assert sum(sum(c.values()) for c in expected) < 2000, 'max_length=32 should drop some pairs'
-  for s in range(4):
-    assert _stream_pairs(batches, s, 2, epoch_batches[s]) == expected[s]
-  assert it.get_state() == {'num_streams': 4, 'positions': [
-      [1, max(epoch_batches) - n] for n in epoch_batches]}
-  assert all(v.shape == (8, 32) and v.dtype == np.int32 for v in batches[0].values())
-  assert set(batches[0]) == set(ip.FEATURE_KEYS)
-  it.close()
-
-
-@needs_multi30k
-def test_streams_read_tfds_files_directly_as_tfds_reads_them(small, monkeypatch):
-  """Uneven even splits (2,000 pairs in 3 streams) read in one pass equal TFDS's own reader."""
-  config, tokenizer, _ = small
-  builder = ip.prepared_builder(config)
-  assert ip._reads_files_directly(builder, config)
-  direct = list(ip.read_streams(builder, config, tokenizer, [0, 1, 2], 3))
-  monkeypatch.setattr(ip, '_reads_files_directly', lambda *args: False)
-  for s in (2, 0):
-    (stream, pairs, counts), = ip.read_streams(builder, config, tokenizer, [s], 3)
-    assert stream == direct[s][0] == s and counts == direct[s][2]
-    assert all(np.array_equal(a, b) for a, b in zip(
-        dataclasses.astuple(pairs), dataclasses.astuple(direct[s][1]), strict=True))
-  assert [c['read'] for _, _, c in direct] == [667, 667, 666]
-  assert direct[0][1].source_tokens.dtype == np.uint16
-
-
-@needs_multi30k
-def test_splits_read_without_tensorflow_as_tfds_reads_them(small, tmp_path):
-  """read_split parses TFDS's TFRecord files itself (importing TensorFlow would take longer
-  than decoding a test set): the pairs TFDS's reader gives, and a damaged record is an error
-  naming its file."""
-  config, _, (src, tgt) = small
-  builder = ip.prepared_builder(config)
-  for split, count in (('val', 100), ('train', 2000)):
-    tfds_pairs = ([], [])
-    for s, t in ip._text_chunks(builder, config, split):
-      tfds_pairs[0].extend(s)
-      tfds_pairs[1].extend(t)
-    assert ip._split_pairs(builder, config, split) == tfds_pairs and len(tfds_pairs[0]) == count
-  assert (src, tgt) == tfds_pairs  # The fixture's own read_split of train.
-  assert ip._masked_crc32c(b'123456789') == (((0xE3069283 >> 15) | (0xE3069283 << 17)) +
-                                             0xA282EAD8) & 0xFFFFFFFF  # CRC-32C's check value.
-  script = ('import sys, json, input_pipeline as ip\n'
-            'from configs import multi30k\n'
-            'config = multi30k.get_config()\n'
-            'config.data.update(json.loads(sys.argv[1]))\n'
-            'src, tgt = ip.read_split(config, "val")\n'
-            'assert "tensorflow" not in sys.modules, "read_split imported TensorFlow"\n'
-            'print(len(src))\n')
-  data = json.dumps({'dataset_name': config.data.dataset_name,
-                     'data_dir': config.data.data_dir})
-  result = subprocess.run([sys.executable, '-c', script, data], capture_output=True,
-                          cwd=str(Path(__file__).resolve().parents[1]), timeout=300)
-  assert result.returncode == 0, result.stderr.decode()[-2000:]
-  assert result.stdout.decode().split() == ['100']
-  record_file = next(Path(builder.data_dir).glob('*-val.tfrecord*'))
-  damaged = bytearray(record_file.read_bytes())
-  damaged[len(damaged) // 2] ^= 0xFF
-  copy = tmp_path / record_file.name
-  copy.write_bytes(bytes(damaged))
-  with pytest.raises(ip.DataError, match=f'{copy.name}: record .* damaged'):
-    list(ip._tfrecords(str(copy), 0, 100))
-
-
-@needs_multi30k
-def test_cached_streams_give_the_same_batches_without_reading(small, tmp_path, monkeypatch):
-  config, tokenizer, _ = small
-  cache = tmp_path / 'train_tokens'
-  first = ip.make_train_iterator(config, tokenizer, cache_dir=str(cache))
-  batches = [next(first) for _ in range(3)]
-  assert len(list(cache.iterdir())) == 4
-  monkeypatch.setattr(ip, '_stream_chunks', _no_training)
-  resumed = ip.make_train_iterator(config, tokenizer, cache_dir=str(cache),
-                                   state={'num_streams': 4, 'positions': [[0, 1]] * 4})
-  assert _same([next(resumed) for _ in range(2)], batches[1:])
-  monkeypatch.undo()
-  # Another max_length is another stream's content: read again, the old file replaced.
-  shorter = _with_data(config, max_length=24)
-  assert next(ip.make_train_iterator(shorter, tokenizer, cache_dir=str(cache)))['inputs'].shape \
-      == (8, 24)
-  assert len(list(cache.iterdir())) == 4
-
-
-@needs_multi30k
-def test_global_batches_do_not_depend_on_process_count(small):
-  """1, 2 and 4 processes give the same global batches, across a stream's epoch boundary; the
-  processes' states merged by elementwise max are the 1-process state and resume anywhere."""
-  config, tokenizer, _ = small
-  it = ip.make_train_iterator(config, tokenizer)
-  steps = min(it.epoch_batches) + 2
-  one = [next(it) for _ in range(steps)]
-  for process_count in (2, 4):
-    batches, its = _global_batches(config, tokenizer, process_count, steps)
-    assert _same(batches, one), process_count
-    merged = np.max([i.get_state()['positions'] for i in its], axis=0).tolist()
-    assert {'num_streams': 4, 'positions': merged} == it.get_state()
-    assert next(its[-1])['inputs'].shape == (8 // process_count, 32)
-    for i in its:
-      i.close()
-  state = {'num_streams': 4, 'positions': merged}
-  resumed, its = _global_batches(config, tokenizer, 4, 3, state=state)
-  assert _same(resumed, [next(it) for _ in range(3)])
-  for i in its + [it]:
-    i.close()
-
-
-@needs_multi30k
-@pytest.mark.parametrize('where', ['random', 'epoch_end'])
-def test_resume_equals_uninterrupted_stream(small, where):
-  config, tokenizer, _ = small
-  it = ip.make_train_iterator(config, tokenizer)
-  k = min(it.epoch_batches) if where == 'epoch_end' else int(np.random.default_rng().integers(
-      1, min(it.epoch_batches)))
-  for _ in range(k):
-    next(it)
-  state = json.loads(json.dumps(it.get_state()))
-  if where == 'epoch_end':
-    assert [1, 0] in state['positions']
-  resumed = ip.make_train_iterator(config, tokenizer, state=state)
-  assert _same([next(it) for _ in range(5)], [next(resumed) for _ in range(5)]), k
-  assert it.get_state() == resumed.get_state()
-  with pytest.raises(ip.DataError, match=r'stream 1 is outside its epoch'):
-    ip.make_train_iterator(config, tokenizer, state={
-        'num_streams': 4, 'positions': [[0, 0], [0, 10**6], [0, 0], [0, 0]]})
-  with pytest.raises(ip.DataError, match=r'no position for streams \[2, 3\].*elementwise max'):
-    ip.make_train_iterator(config, tokenizer, state={
-        'num_streams': 4, 'positions': [[0, 5], [0, 5], [-1, -1], [-1, -1]]})
-
-
-@needs_multi30k
-def test_unmappable_state_warns_and_starts_fresh_epochs(small, caplog):
-  config, tokenizer, _ = small
-  for state, epoch in (({'epoch': 2, 'batch_in_epoch': 7}, 3),  # Written by earlier code.
-                       ({'num_streams': 2, 'positions': [[0, 4], [1, 0]]}, 1)):
-    caplog.clear()
-    with caplog.at_level('WARNING'):
-      it = ip.make_train_iterator(config, tokenizer, state=state)
-    assert 'cannot be mapped exactly' in caplog.text
-    assert it.get_state() == {'num_streams': 4, 'positions': [[epoch, 0]] * 4}
-    assert next(it)['inputs'].shape == (8, 32)
-    it.close()
-
-
-@needs_multi30k
-def test_streams_must_divide_batch_and_processes(small):
-  config, tokenizer, _ = small
-  with pytest.raises(ip.DataError, match=r'batch_size=8 .*set data.num_streams to a divisor of 8'):
-    ip.make_train_iterator(_with_data(config, num_streams=3), tokenizer)
-  with pytest.raises(ip.DataError, match=r'num_streams=4 .* 8 processes; set data.num_streams '
-                     'to a multiple of 8'):
-    ip.make_train_iterator(config, tokenizer, process_index=0, process_count=8)
-  with pytest.raises(ip.DataError, match='process_index 2 not in'):
-    ip.make_train_iterator(config, tokenizer, process_index=2, process_count=2)
-
-
-@needs_multi30k
-def test_deterministic_under_seed(small):
-  config, tokenizer, _ = small
-  def first(cfg, n=4):
-    it = ip.make_train_iterator(cfg, tokenizer)
-    return [next(it) for _ in range(n)], it
-  a, it = first(config)
-  b, _ = first(config)
-  assert _same(a, b)
-  other = config.copy_and_resolve_references()
-  other.seed = config.seed + 1
-  c, _ = first(other)
-  assert not _same(a, c)
-  for _ in range(max(it.epoch_batches) - 4):  # Every stream's next epoch is shuffled anew.
-    next(it)
-  assert not np.array_equal(next(it)['targets'], a[0]['targets'])
 
 
 @needs_multi30k
@@ -478,8 +273,8 @@ def _no_network(*args, **kwargs):
 @needs_multi30k
 def test_multi30k_builder_local_copy(tmp_path, monkeypatch):
   monkeypatch.setenv(ip.MULTI30K_ENV, str(MULTI30K))
-  monkeypatch.setattr(ip.socket, 'create_connection', _no_network)
-  monkeypatch.setattr(ip.tfds.download.DownloadManager, 'download', _no_network)
+  monkeypatch.setattr(data_sources.socket, 'create_connection', _no_network)
+  monkeypatch.setattr(data_sources.tfds.download.DownloadManager, 'download', _no_network)
   config = multi30k.get_config()
   config.data.data_dir = str(tmp_path / 'tfds')
   sizes = {'train': 29000, 'val': 1014, 'test_2016_flickr': 1000}
@@ -503,13 +298,13 @@ def test_multi30k_download_is_gunzipped_and_checked(tmp_path, monkeypatch):
   """Download path with the network faked by local .gz files (checksums of the content)."""
   gz_dir = tmp_path / 'gz'
   gz_dir.mkdir()
-  for name in ip.Multi30k.SHA256:
+  for name in data_sources.Multi30k.SHA256:
     with gzip.open(gz_dir / f'{name}.gz', 'wb') as f:
       f.write((MULTI30K / name).read_bytes())
   monkeypatch.delenv(ip.MULTI30K_ENV, raising=False)
-  monkeypatch.setattr(ip.socket, 'create_connection', lambda *a, **k: io.BytesIO())
+  monkeypatch.setattr(data_sources.socket, 'create_connection', lambda *a, **k: io.BytesIO())
   fake = lambda self, urls: {k: gz_dir / v.rsplit('/', 1)[1] for k, v in urls.items()}
-  monkeypatch.setattr(ip.tfds.download.DownloadManager, 'download', fake)
+  monkeypatch.setattr(data_sources.tfds.download.DownloadManager, 'download', fake)
   config = multi30k.get_config()
   config.data.data_dir = str(tmp_path / 'tfds')
   assert ip.read_split(config, 'val')[0][:2] == text_io.read_lines(MULTI30K / 'val.en')[:2]
@@ -527,13 +322,13 @@ def test_multi30k_vocab8000_packing_efficiency(tmp_path, monkeypatch):
   monkeypatch.setenv(ip.MULTI30K_ENV, str(MULTI30K))
   config = multi30k.get_config()
   config.data.data_dir = str(tmp_path / 'tfds')
-  tokenizer = ip.load_or_train_tokenizer(config, str(tmp_path / 'work'))
-  assert tokenizer.vocab_size == 8000
-  it = ip.make_train_iterator(config, tokenizer)
-  assert it.packing_efficiency >= 0.90
-  batch = next(it)
-  assert batch['inputs'].shape == (32, 64)
-  it.close()
+  data = ip.make_data(config, str(tmp_path / 'work'))
+  assert data.tokenizer.vocab_size == 8000
+  batches = [next(data.train) for _ in range(20)]
+  data.train.close()
+  assert batches[0]['inputs'].shape == (32, 64)
+  real = sum(int((b['inputs'] > 0).sum() + (b['targets'] > 0).sum()) for b in batches)
+  assert real / (20 * 2 * 32 * 64) >= 0.90
 
 
 def test_read_lines_from_stdin(monkeypatch):
@@ -696,7 +491,7 @@ def test_multi30k_local_copy_is_prepared_again_when_its_files_change(tmp_path, m
   """Before: once prepared, the TFDS cache was read whatever MULTI30K_DIR then held."""
   local = tmp_path / 'multi30k'
   local.mkdir()
-  for name in ip.Multi30k.SHA256:
+  for name in data_sources.Multi30k.SHA256:
     (local / name).write_bytes((MULTI30K / name).read_bytes())
   monkeypatch.setenv(ip.MULTI30K_ENV, str(local))
   config = multi30k.get_config()
@@ -707,7 +502,7 @@ def test_multi30k_local_copy_is_prepared_again_when_its_files_change(tmp_path, m
                                 encoding='utf-8')
   assert ip.read_split(config, 'val')[1][:2] == ['Ein geänderter Satz.', lines[1].strip()]
   # An emptied folder is an error naming the missing files, not the old cache.
-  for name in ip.Multi30k.SHA256:
+  for name in data_sources.Multi30k.SHA256:
     (local / name).unlink()
   with pytest.raises(FileNotFoundError, match=r'lacks.*train\.en'):
     ip.read_split(config, 'val')
@@ -728,3 +523,243 @@ def test_tatoeba_config_reads_its_folder_german_to_english(tmp_path):
     lines = lambda lang: (TATOEBA / f'{split}.{lang}').read_text(encoding='utf-8').splitlines()
     assert len(sources) == count and sources == [x.strip() for x in lines('de')]
     assert targets == [x.strip() for x in lines('en')]
+
+
+@needs_multi30k
+def test_every_pair_once_per_shard_epoch_and_epochs_reshuffled(small):
+  """Shard 1 of 4 holds pairs 1, 5, 9, ... of train[:400]; each epoch yields them all once
+  (less the pairs over max_length), in a new order."""
+  config, tokenizer, (src, tgt) = small
+  config = _train(config)
+  source = ip.open_split(config, config.data.train_split)
+  settings = tp.Settings.of(config, os.path.join(config.workdir, 'tokenizer.model'))
+  expected = collections.Counter(
+      (tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(
+          tokenizer.encode(src[1:TRAIN_PAIRS:4]), tokenizer.encode(tgt[1:TRAIN_PAIRS:4]))
+      if max(len(a), len(b)) <= config.data.max_length)
+  assert 50 < sum(expected.values()) < 100, 'max_length=32 drops some pairs'
+  pairs = iter(tp.pair_dataset(source, 1, settings))
+  epochs = [[next(pairs) for _ in range(sum(expected.values()))] for _ in range(2)]
+  orders = [[(tuple(p['inputs'].tolist()), tuple(p['targets'].tolist())) for p in epoch]
+            for epoch in epochs]
+  assert all(p['inputs'].dtype == np.int32 for p in epochs[0])
+  assert collections.Counter(orders[0]) == collections.Counter(orders[1]) == expected
+  assert orders[0] != orders[1]
+
+
+@needs_multi30k
+def test_packed_batches_hold_the_shards_pairs_in_rows(small):
+  config, tokenizer, (src, tgt) = small
+  config = _train(config)
+  batches, state = _global_batches(config, 1, 30)
+  assert all(v.shape == (8, 32) and v.dtype == np.int32 for v in batches[0].values())
+  assert set(batches[0]) == set(ip.FEATURE_KEYS)
+  encoded = set(zip((tuple(x.tolist()) for x in tokenizer.encode(src[:TRAIN_PAIRS])),
+                    (tuple(x.tolist()) for x in tokenizer.encode(tgt[:TRAIN_PAIRS]))))
+  for b in batches:
+    for s in range(4):  # Rows 2 s, 2 s + 1: shard s's pairs s, s + 4, ...
+      for pair in _unpack({k: v[2 * s:2 * s + 2] for k, v in b.items()}):
+        assert pair in encoded
+  real = sum(int((b['inputs_segmentation'] > 0).sum() + (b['targets_segmentation'] > 0).sum())
+             for b in batches)
+  assert real / (30 * 2 * 8 * 32) > 0.6  # Packing efficiency (pairs of 10-32 tokens a side).
+  assert sorted(state['shards']) == ['0', '1', '2', '3'] and state['num_shards'] == 4
+
+
+@needs_multi30k
+def test_global_batches_do_not_depend_on_process_count(small):
+  """1, 2 and 4 processes give the same global batches (across a shard's epoch boundary, 100
+  pairs a shard), and the union of their states resumes on any of them."""
+  config = _train(small[0])
+  steps = 40
+  one, state_one = _global_batches(config, 1, steps)
+  for process_count in (2, 4):
+    batches, state = _global_batches(config, process_count, steps)
+    assert _same(batches, one), process_count
+    assert state == state_one
+  _, state = _global_batches(config, 4, 17)
+  for process_count in (1, 2):
+    assert _same(_global_batches(config, process_count, 5, state)[0], one[17:22])
+
+
+@needs_multi30k
+@pytest.mark.parametrize('bpe_dropout', [0.0, 0.1])
+def test_resume_equals_uninterrupted_run(small, bpe_dropout):
+  """A state saved after k batches (through JSON) continues with the uninterrupted batches,
+  across a shard's epoch end; with BPE-dropout too, whose pieces are drawn anew per chunk."""
+  config = _train(small[0], bpe_dropout=bpe_dropout)
+  uninterrupted, _ = _global_batches(config, 1, 45)
+  for k in (1, 13, 30):
+    first, state = _global_batches(config, 1, k)
+    assert _same(first, uninterrupted[:k])
+    assert _same(_global_batches(config, 1, 45 - k, state)[0], uninterrupted[k:]), k
+  it = _iterator(config)
+  with pytest.raises(ip.DataError, match=r'no position for shards \[2, 3\]'):
+    it.set_state({'num_shards': 4, 'shards': {'0': {}, '1': {}}})
+  it.close()
+
+
+@needs_multi30k
+def test_deterministic_under_seed(small):
+  config = _train(small[0])
+  a, _ = _global_batches(config, 1, 4)
+  assert _same(_global_batches(config, 1, 4)[0], a)
+  other = config.copy_and_resolve_references()
+  other.seed = config.seed + 1
+  assert not _same(_global_batches(other, 1, 4)[0], a)
+
+
+@needs_multi30k
+def test_bpe_dropout_changes_training_pieces_only(small, tmp_path):
+  """With p = 0 the Python BPE gives sentencepiece's ids; with p > 0 training pieces change
+  (and still spell the text), while evaluation batches and decoding's encode do not."""
+  config, tokenizer, (src, tgt) = small
+  config = _train(config)
+  lines = src[:300] + tgt[:300] + ['', 'Ein Hund 🐕 läuft über die Straße.', '猫が座っている。',
+                                   '  two  spaces ', 'Ça coûte 5 €']
+  rng = np.random.default_rng(0)
+  assert all(np.array_equal(a, b) for a, b in zip(
+      tokenizer.encode(lines, dropout=1e-12, rng=rng), tokenizer.encode(lines), strict=True))
+  dropped = tokenizer.encode(lines, dropout=0.1, rng=np.random.default_rng(0))
+  assert [tokenizer.decode(x) for x in dropped] == lines
+  assert sum(len(x) for x in dropped) > 1.1 * sum(len(x) for x in tokenizer.encode(lines))
+  assert all(np.array_equal(a, b) for a, b in zip(
+      dropped, tokenizer.encode(lines, dropout=0.1, rng=np.random.default_rng(0))))
+  plain, with_dropout = (
+      ip.make_data(_with_data(config, bpe_dropout=p), config.workdir) for p in (0.0, 0.1))
+  assert not _same([next(plain.train) for _ in range(3)], [next(with_dropout.train)
+                                                           for _ in range(3)])
+  assert len(plain.eval_batches) == len(with_dropout.eval_batches)
+  for a, b in zip(plain.eval_batches, with_dropout.eval_batches, strict=True):
+    assert all(np.array_equal(a[k], b[k]) for k in ('inputs', 'targets'))
+  plain.train.close()
+  with_dropout.train.close()
+
+
+@needs_multi30k
+@pytest.mark.slow  # Grain's worker processes are spawned: each imports JAX.
+def test_worker_processes_give_the_in_process_batches(small):
+  config = _train(small[0], bpe_dropout=0.1)
+  expected, state = _global_batches(config, 1, 12)
+  workers = _with_data(config, num_workers=2)
+  assert _same(_global_batches(workers, 2, 12)[0], expected)
+  _, state = _global_batches(workers, 1, 5)
+  assert _same(_global_batches(config, 1, 7, state)[0], expected[5:])
+
+
+@needs_multi30k
+def test_make_data_resumes_from_a_checkpoints_state_and_warns_on_old_ones(small, caplog):
+  config = _train(small[0])
+  uninterrupted, _ = _global_batches(config, 1, 8)
+  data = ip.make_data(config, config.workdir)
+  assert _same([next(data.train) for _ in range(6)], uninterrupted[:6])
+  state = json.loads(json.dumps(data.train.get_state()))
+  data.train.close()
+  resumed = ip.make_data(config, config.workdir, data_state=state)
+  assert _same([next(resumed.train) for _ in range(2)], uninterrupted[6:])
+  resumed.train.close()
+  for old in ({'epoch': 2, 'batch_in_epoch': 7},  # Of the earlier pipeline.
+              {'num_streams': 4, 'positions': [[0, 4]] * 4},
+              {'num_shards': 2, 'shards': {'0': {}, '1': {}}}):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      assert legacy.upgrade_data_state(old, 4) is None
+      fresh = ip.make_data(config, config.workdir, data_state=old)
+    assert 'starts a fresh epoch' in caplog.text
+    assert _same([next(fresh.train)], uninterrupted[:1])
+    fresh.train.close()
+
+
+@needs_multi30k
+def test_evaluation_batches_hold_every_validation_pair_once(small):
+  config, tokenizer, _ = small
+  data = ip.make_data(config, config.workdir, row_multiple=4)
+  data.train.close()
+  assert len(data.eval_sources) == len(data.eval_targets) == 100
+  pairs = collections.Counter()
+  for batch in data.eval_batches:
+    assert batch['inputs'].shape[0] % 4 == 0
+    for s, t in zip(batch['inputs'], batch['targets']):
+      if s.any():
+        pairs[(tuple(s[s > 0].tolist()), tuple(t[t > 0].tolist()))] += 1
+  assert pairs == collections.Counter(
+      (tuple(a.tolist()), tuple(b.tolist())) for a, b in zip(
+          tokenizer.encode(data.eval_sources), tokenizer.encode(data.eval_targets)))
+
+
+def test_shards_must_divide_the_batch_and_the_processes(monkeypatch):
+  config = multi30k.get_config()
+  mesh = sharding.make_mesh('', jax.devices()[:1])
+  config.data.num_shards = 3
+  with pytest.raises(config_check.ConfigError, match=r'batch_size=32 .*num_shards=3.*divisor'):
+    config_check.validate_config(config, mesh)
+  config.data.num_shards = 4
+  monkeypatch.setattr(config_check.jax, 'process_count', lambda: 8)
+  with pytest.raises(config_check.ConfigError, match=r'num_shards=4 .* 8 processes.*multiple'):
+    config_check.validate_config(config, mesh)
+  monkeypatch.undo()
+  config.data.bpe_dropout = 1.0
+  with pytest.raises(config_check.ConfigError, match=r'bpe_dropout in \[0, 1\)'):
+    config_check.validate_config(config, mesh)
+
+
+@needs_multi30k
+def test_malformed_training_pairs_are_counted_dropped_and_logged(tmp_path, small, caplog):
+  """Empty sides and over-long pairs: dropped in the pipeline with a warning, never an error."""
+  config = small[0]
+  folder = tmp_path / 'data'
+  _write(folder, 'train.en', ['a man', '', 'dogs run', ' '] * 50 + ['word ' * 80])
+  _write(folder, 'train.de', ['ein Mann', 'Hunde', '', 'x'] * 50 + ['Wort'])
+  bad = _with_data(config, dataset_name=f'folder:{folder}', data_dir=str(tmp_path / 'tfds'),
+                   train_split='train', num_shards=1)
+  with caplog.at_level(logging.INFO):
+    it = _iterator(bad)
+    pairs = [p for _ in range(20) for p in _unpack(next(it))]
+    it.close()
+  assert {len(s) for s, _ in pairs} and all(len(s) <= 32 for s, _ in pairs)
+  assert 'dropped' in caplog.text and 'an empty side' in caplog.text
+  assert 'longer than data.max_length' in caplog.text
+
+
+@needs_multi30k
+def test_splits_are_read_without_tensorflow_in_file_order(small):
+  """read_split reads the prepared array_record files by index: file order, no TensorFlow."""
+  config, _, (src, tgt) = small
+  lines = {lang: text_io.read_lines(MULTI30K / f'train.{lang}')[:2000] for lang in ('en', 'de')}
+  assert (src, tgt) == ([x.strip() for x in lines['en']], [x.strip() for x in lines['de']])
+  builder = data_sources.prepared_builder(config)
+  assert builder.info.file_format.value == 'array_record'
+  script = ('import sys, json, input_pipeline as ip\n'
+            'from configs import multi30k\n'
+            'config = multi30k.get_config()\n'
+            'config.data.update(json.loads(sys.argv[1]))\n'
+            'src, tgt = ip.read_split(config, "val")\n'
+            'assert "tensorflow" not in sys.modules, "read_split imported TensorFlow"\n'
+            'print(len(src))\n')
+  data = json.dumps({'dataset_name': config.data.dataset_name,
+                     'data_dir': config.data.data_dir})
+  result = subprocess.run([sys.executable, '-c', script, data], capture_output=True,
+                          cwd=str(Path(__file__).resolve().parents[1]), timeout=300)
+  assert result.returncode == 0, result.stderr.decode()[-2000:]
+  assert result.stdout.decode().split() == ['100']
+
+
+@needs_multi30k
+def test_folder_preparation_streams_with_a_bounded_buffer(tmp_path, monkeypatch):
+  """The text files are read line by line (keys increasing, spread over TFDS's key space) and
+  TFDS keeps PREPARE_BUFFER_BYTES of records in memory before spilling to disk."""
+  folder = tmp_path / 'data'
+  _write(folder, 'train.en', ['one', 'two', 'three'])
+  _write(folder, 'train.de', ['eins', 'zwei', 'drei'])
+  keys = [key for key, _ in data_sources.stream_pairs(str(folder), 'train', ('en', 'de'))]
+  assert keys == sorted(keys) and keys[-1] > 2**126
+  from tensorflow_datasets.core import shuffle
+  buffers = []
+  prepare = data_sources.ParallelTextFolder.download_and_prepare
+  def recorded_prepare(builder, *args, **kwargs):
+    buffers.append(shuffle.MAX_MEM_BUFFER_SIZE)
+    return prepare(builder, *args, **kwargs)
+  monkeypatch.setattr(data_sources.ParallelTextFolder, 'download_and_prepare', recorded_prepare)
+  config = _config(tmp_path, folder)
+  assert ip.read_split(config, 'train') == (['one', 'two', 'three'], ['eins', 'zwei', 'drei'])
+  assert buffers == [data_sources.PREPARE_BUFFER_BYTES] != [shuffle.MAX_MEM_BUFFER_SIZE]

@@ -244,7 +244,7 @@ def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
 
 # The paper's configs on the real TFDS builder `wmt14_translate/de-en`, its data mocked in
 # every process (tests/mock_tfds_main.py): the builder has the real dataset's splits, and every
-# split (and every stream's part of train) yields the same MOCK_PAIRS pairs of random text.
+# split yields the same MOCK_PAIRS pairs of random text.
 WMT14 = 'wmt14_translate/de-en'
 WMT14_SPLITS = ('train', 'validation', 'test')  # The real dataset's, as TFDS lists them.
 MOCK_PAIRS = 64  # Validation BLEU and decoding the test split cost most.
@@ -252,7 +252,7 @@ WMT14_STEPS = 3
 MOCK_TFDS = ('tests/mock_tfds_main.py', f'--dataset={WMT14}', f'--splits={",".join(WMT14_SPLITS)}',
              f'--num_examples={MOCK_PAIRS}')
 # What a 2-core CPU cannot run; every other key is the config's own: dataset, splits,
-# languages, max_length 128, 192 rows per step in 64 streams, shuffle window, dropout,
+# languages, max_length 128, 192 rows per step in 64 shards, packing bins, dropout,
 # bfloat16, the mesh, schedule and decoding settings.
 WMT14_SHRINK = (
     # 256 byte pieces, 3 special ids, 11 characters and some merges: sentencepiece cannot make
@@ -283,8 +283,8 @@ def test_wmt14_config_trains_evaluates_and_decodes_on_two_processes(tmp_path, co
   log = cluster_launcher.run(*MOCK_TFDS, 'train.py', f'--config=configs/{config_name}.py',
                              f'--workdir={workdir}', *WMT14_SHRINK, *width)[0].stderr
   assert f'Mesh: {mesh} over 4 devices on 2 hosts' in log
-  streams = config.data.num_streams
-  assert f'Train streams 0-{streams // 2 - 1} of {streams}:' in log  # The other half: process 1.
+  shards = config.data.num_shards
+  assert f'Train shards 0-{shards // 2 - 1} of {shards}:' in log  # The other half: process 1.
   assert f'{WMT14}/{config.data.eval_split}: {MOCK_PAIRS} pairs' in log
   evaluated = eval_rows(workdir)[WMT14_STEPS]
   assert np.isfinite(evaluated['eval_nll']) and 'eval_bleu' in evaluated
