@@ -128,11 +128,21 @@ def json_error(reply: bytes, status: int) -> str:
   return json.loads(body)['error']
 
 
-def cross_attention(model, params, source, target) -> np.ndarray:
-  """The cross-attention of one teacher-forced pass [target, source], averaged over the
-  decoder's layers and heads (`model.forced_decoding.attention_maps`, plot_attention.py's)."""
-  _, maps = attention_maps(model, params, np.asarray(source)[None], np.asarray(target)[None])
-  return np.mean([np.asarray(w[0]).mean(axis=0) for w in maps['cross_attention']], axis=0)
+def cross_attention(model, params, sources, targets) -> list[np.ndarray]:
+  """Per pair of token ids, the cross-attention of one teacher-forced pass [target, source],
+  averaged over the decoder's layers and heads (`model.forced_decoding.attention_maps`, as
+  plot_attention.py reads it): the pairs padded into one batch, one jitted call (padding
+  positions get no weight, and a target row sees only the pieces before it)."""
+  def padded(rows):
+    array = np.zeros((len(rows), max(len(row) for row in rows)), np.int32)
+    for i, row in enumerate(rows):
+      array[i, :len(row)] = row
+    return array
+
+  maps = jax.jit(lambda p, x, y: attention_maps(model, p, x, y)[1]['cross_attention'])(
+      params, padded(sources), padded(targets))
+  mean = np.mean([np.asarray(w).mean(axis=1) for w in maps], axis=0)  # [pair, target, source]
+  return [mean[i, :len(y), :len(x)] for i, (x, y) in enumerate(zip(sources, targets))]
 
 
 def test_details_equal_decode_and_the_forward_pass(trained_run, translator):
@@ -163,11 +173,11 @@ def test_details_equal_decode_and_the_forward_pass(trained_run, translator):
   params = jax.device_get(params)
   pieces = tokenizer.pieces()
   piece_ids = {p: i for i, p in enumerate(pieces)}
-  for line, (output,) in zip(lines[:5], best[:5]):
-    source = tokenizer.encode([line])[0]
-    target = np.array([piece_ids[p] for p in output['tokens']], np.int32)
+  sources = tokenizer.encode(lines[:5])
+  targets = [[piece_ids[p] for p in output['tokens']] for (output,) in best[:5]]
+  for source, (output,), mean in zip(sources, best[:5],
+                                     cross_attention(model, params, sources, targets)):
     assert output['source_tokens'] == [pieces[t] for t in source]
-    mean = cross_attention(model, params, source, target)  # [target, source]
     np.testing.assert_allclose(output['attention'], mean, atol=1e-4)
     assert output['alignment'] == [int(i) for i in mean.argmax(axis=1)]
 
