@@ -11,7 +11,9 @@
 arguments, a symbolic batch dimension, one program per source-length bucket; for the CPU also
 a continuous batching search per bucket) with its parameters and tokenizer; `serving.py`,
 copied into the folder, translates with it using only jax, numpy, sentencepiece and flatbuffers
-(`pip install jax numpy sentencepiece flatbuffers` wherever the folder goes).
+(`pip install jax numpy sentencepiece flatbuffers` wherever the folder goes), with the modules
+it imports: an HTTP server that batches requests (a slot pool of continuous batching on the
+CPU), with n-best lists, alignments and attention from exported forced decoding, and a page.
 --format ctranslate2: a CTranslate2 model folder (`pip install -e '.[ctranslate2]'`).
 """
 
@@ -41,6 +43,8 @@ from model import (
   transformer_beam_search,
   transformer_continuous_beam_search,
 )
+from model.cpu.slot_pool import slot_pool
+from model.forced_decoding import forced_decoding
 from nmt import checkpoints, console, runs, sharding
 from nmt import translator as translator_lib
 
@@ -52,6 +56,19 @@ FORMATS = ('jax', 'ctranslate2')
 # program; a sentence runs in the smallest bucket that holds it.
 JAX_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 SERVING = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'serving.py')
+# What serving.py imports from its own folder in an export (from `nmt` in a checkout): the
+# translator, the HTTP server's batcher and server, and the page it shows at GET / (inline
+# HTML, CSS and JavaScript; no network access). Each imports only the standard library, jax,
+# numpy, sentencepiece and the others.
+SERVING_FILES = tuple(
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), 'nmt', name)
+    for name in ('serving_translator.py', 'serving_batcher.py', 'serving_http.py',
+                 'serving_page.html'))
+# The slot pool (`pool_*.jax`, CPU exports): sources up to POOL_WIDTH tokens; a step program
+# per pool size (the CPU decoding step needs a known number of rows), so that a pool holds about
+# as many slots as it has sentences.
+POOL_WIDTH = 64
+POOL_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu') -> None:
@@ -60,11 +77,17 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   One serialized program per source-length bucket (`translator_{length}.jax`): encoder and
   beam search, the parameters as its first argument (`params.npz`, '/'-joined names), inputs
   [batch, length] int32 with a symbolic batch, outputs (sequences [batch, 1, max_length] int32,
-  scores [batch, 1] float32). On the CPU decoding path also one continuous batching search
-  per bucket (`continuous_{length}.jax`: the parameters, sources [queue, length] int32 one
-  sentence per row, how many to decode; outputs [queue, 1, max_length] and [queue, 1]).
-  Next to them: tokenizer.model, translator.json (buckets, queue sizes and search settings)
-  and serving.py, which translates with only jax, numpy, sentencepiece and flatbuffers. `platform`
+  scores [batch, 1] float32). Beside each, the same search returning the beam_size best
+  (`nbest_{length}.jax`: sequences [batch, beam_size, max_length], scores [batch, beam_size])
+  and the forced decoding of given translations (`forced_{length}.jax`:
+  `model.forced_decoding.forced_decoding` of the parameters, inputs [batch, length] and
+  targets [batch, max_length] int32). On the CPU decoding path also one continuous batching
+  search per bucket (`continuous_{length}.jax`: the parameters, sources [queue, length] int32
+  one sentence per row, how many to decode; outputs [queue, 1, max_length] and [queue, 1]),
+  and the slot pool the HTTP server runs (`export_slot_pool`).
+  Next to them: tokenizer.model, translator.json (buckets, queue sizes and search settings),
+  serving.py, which translates with only jax, numpy, sentencepiece and flatbuffers, and the
+  modules and page it imports and serves (SERVING_FILES). `platform`
   ('cpu', 'cuda' or 'tpu') is what the programs run on; only 'cpu' uses the CPU-tuned
   decoding.
   """
@@ -88,11 +111,14 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
         abstract_params, jax.ShapeDtypeStruct((batch, length), np.int32))
     with open(os.path.join(output_dir, f'translator_{length}.jax'), 'wb') as f:
       f.write(exported.serialize())
+  export_nbest_and_forced(model, abstract_params, buckets, settings, max_length, output_dir,
+                          platform)
   # On the CPU, more sentences than slots decode with continuous batching: per bucket a queue
   # of a fixed number of sentences, one per row (the search packs them for its encoder), of
   # which the first `count` are decoded.
-  continuous = {}
+  continuous, pool = {}, {}
   if model.config.use_cpu_decoding:
+    pool = export_slot_pool(model, abstract_params, settings, max_length, output_dir, platform)
     continuous = dict(slots=translator_lib.CONTINUOUS_SLOTS, sizes={})
     for length in buckets:
       size = translator_lib.continuous_queue_size(length)
@@ -109,12 +135,59 @@ def export_jax(workdir: str, params: Any, output_dir: str, platform: str = 'cpu'
   flat = traverse_util.flatten_dict(params, sep='/')
   np.savez(os.path.join(output_dir, 'params.npz'), **{k: np.asarray(v) for k, v in flat.items()})
   shutil.copy(os.path.join(workdir, 'tokenizer.model'), output_dir)
-  shutil.copy(SERVING, output_dir)
+  for path in (SERVING, *SERVING_FILES):
+    shutil.copy(path, output_dir)
   manifest = dict(buckets=buckets, platform=platform, max_length=max_length,
                   batch_tokens=decode_config.batch_tokens, eos_id=EOS_ID, pad_id=PAD_ID,
-                  continuous=continuous, **settings, model=config.model.to_dict())
+                  continuous=continuous, **settings, model=config.model.to_dict(),
+                  nbest=settings['beam_size'], pool=pool,
+                  forced={str(b): min(b + settings['max_extra_length'], max_length)
+                          for b in buckets})
   with open(os.path.join(output_dir, 'translator.json'), 'w', encoding='utf-8') as f:
     json.dump(manifest, f, indent=2)
+
+
+def export_nbest_and_forced(model: Transformer, abstract_params: Any, buckets: list[int],
+                            settings: dict[str, Any], max_length: int, output_dir: str,
+                            platform: str) -> None:
+  """Writes, per source-length bucket, the beam search returning its beam_size best
+  (`nbest_{length}.jax`) and `forced_decoding` (`forced_{length}.jax`, targets as long as the
+  bucket's longest translation), each with a symbolic batch."""
+  batch, = jax.export.symbolic_shape('batch')
+  for length in buckets:
+    target_length = min(length + settings['max_extra_length'], max_length)
+    search = functools.partial(transformer_beam_search, model, max_length=target_length,
+                               **{**settings, 'nbest': settings['beam_size']})
+    forced = functools.partial(forced_decoding, model)
+    for name, function, shapes in (
+        ('nbest', search, [(batch, length)]),
+        ('forced', forced, [(batch, length), (batch, target_length)])):
+      exported = jax.export.export(jax.jit(function), platforms=(platform,))(
+          abstract_params, *(jax.ShapeDtypeStruct(shape, np.int32) for shape in shapes))
+      with open(os.path.join(output_dir, f'{name}_{length}.jax'), 'wb') as f:
+        f.write(exported.serialize())
+
+
+def export_slot_pool(model: Transformer, abstract_params: Any, settings: dict[str, Any],
+                     max_length: int, output_dir: str, platform: str) -> dict[str, Any]:
+  """Writes `model.cpu.slot_pool`'s functions: pool_init.jax and pool_start.jax (symbolic
+  numbers of slots and of started sentences) and pool_step_{n}.jax for each n of POOL_SIZES;
+  returns their settings for the manifest: width (the longest source the pool takes), sizes
+  and max_length (of its translations)."""
+  width = min(POOL_WIDTH, model.config.max_len)
+  length = min(width + settings['max_extra_length'], max_length)
+  pool = slot_pool(model, settings, width, length)
+  n, k = jax.export.symbolic_shape('slots, admitted')
+  int32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
+  programs = [('pool_init', pool['init'], (int32(n),)),
+              ('pool_start', pool['start'], (abstract_params, int32(k, width)))]
+  programs += [(f'pool_step_{size}', pool['step'], (abstract_params, jax.eval_shape(
+      pool['init'], int32(size)), int32())) for size in POOL_SIZES]
+  for name, function, args in programs:
+    exported = jax.export.export(jax.jit(function), platforms=(platform,))(*args)
+    with open(os.path.join(output_dir, f'{name}.jax'), 'wb') as f:
+      f.write(exported.serialize())
+  return {'width': width, 'sizes': list(POOL_SIZES), 'max_length': length}
 
 
 def export_ctranslate2(workdir: str, params: Any, output_dir: str,

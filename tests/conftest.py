@@ -99,6 +99,22 @@ def trained_run() -> str:
   return os.path.join(built_once('trained_run', build), 'run')
 
 
+@pytest.fixture(scope='session')
+def exported_jax(trained_run) -> str:
+  """trained_run exported by `export.py --format jax` (the process a user runs), shared by the
+  tests of the exported translator and of its HTTP server: read it, never write into it."""
+
+  def build(path):
+    import subprocess
+    import sys
+    result = subprocess.run([sys.executable, 'export.py', '--workdir', trained_run, '--format',
+                             'jax', '--output', os.path.join(path, 'model')], cwd=REPO,
+                            capture_output=True, timeout=900)
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+
+  return os.path.join(built_once('exported_jax', build), 'model')
+
+
 def pytest_sessionfinish(session, exitstatus):
   """The run's shared folder goes once the run ends, removed by the process that made it."""
   if STARTS_THE_RUN:

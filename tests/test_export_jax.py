@@ -48,12 +48,8 @@ ISOLATED = isolated()
 
 
 @pytest.fixture(scope='module')
-def exported(trained_run, tmp_path_factory):
-  folder = str(tmp_path_factory.mktemp('exported'))
-  result = subprocess.run([sys.executable, 'export.py', '--workdir', trained_run, '--format', 'jax',
-                           '--output', folder], cwd=REPO, capture_output=True, timeout=600)
-  assert result.returncode == 0, result.stderr.decode()[-3000:]
-  return folder
+def exported(exported_jax):
+  return exported_jax
 
 
 def sources():
@@ -368,7 +364,7 @@ def test_http_endpoint_translates_json_lists(serving_module, translator):
     connection.endheaders()
     response = connection.getresponse()
     assert response.status == 413, response.status
-    assert str(serving_module.MAX_BODY_BYTES) in json.loads(response.read())['error']
+    assert str(serving_module.serving_http.MAX_BODY_BYTES) in json.loads(response.read())['error']
     connection.close()
     stalled = slow_client()
     try:  # Answered well before the server lets the stalled client go.

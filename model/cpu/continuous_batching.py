@@ -143,34 +143,13 @@ def transformer_continuous_beam_search(
   cross = model.apply(variables, queue['sources'], queue['segmentation'],
                       method=cross_keys_values)
 
-  ends = chunk_ends(length, FIRST_CHUNK_LENGTH)
-  chunks = {name: [cpu_decoding.empty_chunk(name, slots, config.num_heads, config.head_dim,
-                                             (end - start) * beam, config.dtype)
-                    for start, end in zip([0] + ends[:-1], ends)]
-            for name in cpu_decoding.ENTRY_AXIS}
-  cross_slot = jnp.zeros((slots, src_len, config.num_heads, config.head_dim), config.dtype)
-  cache = {'encoder_mask': jnp.zeros((slots, src_len), bool),
-           'slots': jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32)[None, :, None],
-                                     (slots, beam, length)),
-           'layers': [dict(**chunks, cross_keys=cpu_decoding.carry_keys(cross_slot),
-                           cross_values=cross_slot.transpose(cpu_decoding.CARRIED_VALUES))
-                      for _ in cross]}
   state = dict(
-      step=jnp.zeros((slots,), jnp.int32),
-      tokens=jnp.full((slots, beam), PAD_ID, jnp.int32),
-      log_probs=jnp.full((slots, beam), NEG_INF, jnp.float32),
-      seqs=jnp.zeros((slots, beam, length), jnp.int32),
-      cache=cache,
-      fin_seqs=jnp.zeros((slots, nbest, length), jnp.int32),
-      fin_scores=jnp.full((slots, nbest), NEG_INF, jnp.float32),
-      done=jnp.ones((slots,), bool),
+      empty_slots(config, slots, src_len, beam, length, nbest),
       sentence=jnp.full((slots,), queue_size, jnp.int32),  # queue_size: an empty slot
-      limits=jnp.ones((slots,), jnp.int32),
       next=jnp.array(0, jnp.int32),
       out_seqs=jnp.zeros((queue_size, nbest, length), jnp.int32),
       out_scores=jnp.full((queue_size, nbest), NEG_INF, jnp.float32))
   count = jnp.minimum(jnp.asarray(count, jnp.int32), queue_size)
-  init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF).astype(jnp.float32)
 
   def fill(state: dict[str, Any], size: int) -> dict[str, Any]:
     """Up to `size` empty slots take the next sentences of the queue."""
@@ -180,47 +159,98 @@ def transformer_continuous_beam_search(
     valid = (slot < slots) & (sentence < count)
     slot = jnp.where(valid, slot, slots)  # Out of range: written nowhere.
     sentence = jnp.where(valid, sentence, 0)
-    put = lambda x, value: x.at[slot].set(value, mode='drop')
     # Each sentence's keys/values [size, src_len, heads, head_dim] from the packed rows.
     take = lambda x: x[jnp.maximum(origin[sentence], 0)]
-    layers = [{**layer,
-               'cross_keys': put(layer['cross_keys'], cpu_decoding.carry_keys(take(keys))),
-               'cross_values': put(layer['cross_values'],
-                                   take(values).transpose(cpu_decoding.CARRIED_VALUES))}
-              for layer, (keys, values) in zip(state['cache']['layers'], cross)]
-    cache = {**state['cache'], 'layers': layers,
-             'encoder_mask': put(state['cache']['encoder_mask'], queue_mask[sentence])}
-    return {**state, 'cache': cache,
-            'step': put(state['step'], 0), 'tokens': put(state['tokens'], PAD_ID),
-            'log_probs': put(state['log_probs'], init_log_probs),
-            'seqs': put(state['seqs'], 0), 'fin_seqs': put(state['fin_seqs'], 0),
-            'fin_scores': put(state['fin_scores'], NEG_INF), 'done': put(state['done'], False),
-            'sentence': put(state['sentence'], sentence),
-            'limits': put(state['limits'], queue_limits[sentence]),
+    state = start_slots(state, slot, [(take(keys), take(values)) for keys, values in cross],
+                        queue_mask[sentence], queue_limits[sentence])
+    return {**state, 'sentence': state['sentence'].at[slot].set(sentence, mode='drop'),
             'next': state['next'] + jnp.sum(valid, dtype=jnp.int32)}
-
-  # The CPU step function gives logits; the top-k normalises the blocks it selects.
-  select = functools.partial(cpu_decoding.block_top_k_extensions, from_logits=True)
 
   def body(state: dict[str, Any]) -> dict[str, Any]:
     state = fill(state, refill)
     running = ~state['done']
-    logits, cache = model.apply(variables, state['tokens'], state['step'], state['cache'],
-                                method='decode_step')
-    new = beam_step(state, logits, cache, limits=state['limits'],
-                    penalty_at_limit=length_penalty(state['limits'], alpha), alpha=alpha,
-                    nbest=nbest, stopping=stopping, select=select,
-                    reorder=cpu_decoding.reorder_cache, min_length=min_length)
+    new = step_slots(model, variables, state, alpha=alpha, nbest=nbest, stopping=stopping,
+                     min_length=min_length)
     # Sentences that ended this step hand in their result and free their slot.
     ended = running & new['done']
     target = jnp.where(ended, state['sentence'], queue_size)
     new['out_seqs'] = state['out_seqs'].at[target].set(new['fin_seqs'], mode='drop')
     new['out_scores'] = state['out_scores'].at[target].set(new['fin_scores'], mode='drop')
-    # An empty slot stays at step 0, so it keeps no cache chunk in use.
-    new['step'] = jnp.where(new['done'], 0, new['step'])
     return new
 
   state = fill(state, slots)
   state = jax.lax.while_loop(
       lambda s: (s['next'] < count) | ~jnp.all(s['done']), body, state)
   return state['out_seqs'], state['out_scores']
+
+
+# The slots' state, shared by `transformer_continuous_beam_search` and the HTTP server's slot
+# pool (`model/cpu/slot_pool.py`): every leaf has the slots on axis 0.
+
+
+def empty_slots(config: Any, slots: int, width: int, beam: int, length: int,
+                nbest: int) -> dict[str, Any]:
+  """`slots` empty slots (done, at step 0) of a beam search of `beam` hypotheses over sources
+  of `width` tokens, translations of up to `length` tokens and `nbest` results, on the CPU
+  decoding cache of a model with TransformerConfig `config`."""
+  ends = chunk_ends(length, FIRST_CHUNK_LENGTH)
+  chunks = {name: [cpu_decoding.empty_chunk(name, slots, config.num_heads, config.head_dim,
+                                             (end - start) * beam, config.dtype)
+                    for start, end in zip([0] + ends[:-1], ends)]
+            for name in cpu_decoding.ENTRY_AXIS}
+  cross_slot = jnp.zeros((slots, width, config.num_heads, config.head_dim), config.dtype)
+  cache = {'encoder_mask': jnp.zeros((slots, width), bool),
+           'slots': jnp.broadcast_to(jnp.arange(beam, dtype=jnp.int32)[None, :, None],
+                                     (slots, beam, length)),
+           'layers': [dict(**chunks, cross_keys=cpu_decoding.carry_keys(cross_slot),
+                           cross_values=cross_slot.transpose(cpu_decoding.CARRIED_VALUES))
+                      for _ in range(config.num_decoder_layers)]}
+  return dict(
+      step=jnp.zeros((slots,), jnp.int32),
+      tokens=jnp.full((slots, beam), PAD_ID, jnp.int32),
+      log_probs=jnp.full((slots, beam), NEG_INF, jnp.float32),
+      seqs=jnp.zeros((slots, beam, length), jnp.int32),
+      cache=cache,
+      fin_seqs=jnp.zeros((slots, nbest, length), jnp.int32),
+      fin_scores=jnp.full((slots, nbest), NEG_INF, jnp.float32),
+      done=jnp.ones((slots,), bool),
+      limits=jnp.ones((slots,), jnp.int32))
+
+
+def start_slots(state: dict[str, Any], slot: Array, cross: list[tuple[Array, Array]],
+                encoder_mask: Array, limits: Array) -> dict[str, Any]:
+  """`state` with sentence i started in slot[i] (an index past the slots: none): per decoder
+  layer its cross-attention (keys, values) [k, width, heads, head_dim], its encoder_mask
+  [k, width] and its length limit [k]."""
+  beam = state['tokens'].shape[1]
+  init_log_probs = jnp.where(jnp.arange(beam) == 0, 0.0, NEG_INF).astype(jnp.float32)
+  put = lambda x, value: x.at[slot].set(value, mode='drop')
+  layers = [{**layer,
+             'cross_keys': put(layer['cross_keys'], cpu_decoding.carry_keys(keys)),
+             'cross_values': put(layer['cross_values'],
+                                 values.transpose(cpu_decoding.CARRIED_VALUES))}
+            for layer, (keys, values) in zip(state['cache']['layers'], cross)]
+  cache = {**state['cache'], 'layers': layers,
+           'encoder_mask': put(state['cache']['encoder_mask'], encoder_mask)}
+  return {**state, 'cache': cache,
+          'step': put(state['step'], 0), 'tokens': put(state['tokens'], PAD_ID),
+          'log_probs': put(state['log_probs'], init_log_probs),
+          'seqs': put(state['seqs'], 0), 'fin_seqs': put(state['fin_seqs'], 0),
+          'fin_scores': put(state['fin_scores'], NEG_INF), 'done': put(state['done'], False),
+          'limits': put(state['limits'], limits)}
+
+
+def step_slots(model: Transformer, variables: Any, state: dict[str, Any], *, alpha: float,
+               nbest: int, stopping: str, min_length: int) -> dict[str, Any]:
+  """One beam-search step of every slot (`beam_step`); a done slot stays at step 0, so it
+  keeps no cache chunk in use."""
+  # The CPU step function gives logits; the top-k normalises the blocks it selects.
+  select = functools.partial(cpu_decoding.block_top_k_extensions, from_logits=True)
+  logits, cache = model.apply(variables, state['tokens'], state['step'], state['cache'],
+                              method='decode_step')
+  new = beam_step(state, logits, cache, limits=state['limits'],
+                  penalty_at_limit=length_penalty(state['limits'], alpha), alpha=alpha,
+                  nbest=nbest, stopping=stopping, select=select,
+                  reorder=cpu_decoding.reorder_cache, min_length=min_length)
+  new['step'] = jnp.where(new['done'], 0, new['step'])
+  return new
