@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import hashlib
-import os
-import sys
 import time
 from typing import Any
 
-import flax
 import jax
-import jaxlib
 import ml_collections
 import numpy as np
 from absl import logging
-from jax import export
 from jax.sharding import Mesh
 
 from model import (
@@ -35,33 +29,9 @@ from nmt import batching, console, sharding
 from nmt.tokenizer import Tokenizer
 
 # XLA:CPU's LLVM at optimization level 1 instead of 2 for the searches: the matrix products run
-# in their libraries either way, and a search compiles about a fifth faster at the same speed
-# (BENCHMARKS.md). Other backends keep their defaults.
+# in their libraries either way, and a search compiles faster at the same speed (BENCHMARKS.md).
+# Other backends keep their defaults.
 _CPU_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
-
-
-# Searches exported with `jax.export` into this folder of the compilation cache: a later process
-# deserializes a search it has run before instead of tracing and lowering it again, and the
-# compilation cache then holds its compiled program.
-EXPORTED_SEARCHES = 'exported_searches'
-
-
-def code_fingerprint() -> str:
-  """sha256 of what a search is traced from besides its arguments: the source files of the
-  project's modules that build it and their module-level constants (which may be patched),
-  and the versions of jax, jaxlib and flax and the jax settings that change tracing."""
-  digest = hashlib.sha256(repr((jax.__version__, jaxlib.__version__, flax.__version__,
-                                jax.config.jax_enable_x64,
-                                jax.config.jax_default_matmul_precision,
-                                jax.config.jax_numpy_dtype_promotion)).encode())
-  for name in sorted(n for n in sys.modules if n in ('model', 'nmt.sharding', __name__) or
-                     n.startswith('model.')):
-    module = sys.modules[name]
-    with open(module.__file__, 'rb') as f:
-      digest.update(f.read())
-    digest.update(repr(sorted((k, v) for k, v in vars(module).items() if k.isupper() and
-                              isinstance(v, int | float | str | tuple))).encode())
-  return digest.hexdigest()
 
 
 # Continuous batching (`model/cpu/continuous_batching.py`): sentences decoded at once, the most
@@ -162,12 +132,6 @@ class Translator:
 
     self._search = jax.jit(search, static_argnames='max_length',
                            out_shardings=sharding.replicated(mesh))
-    # What the searches are traced from besides their arguments (see `_compile`).
-    self._settings = repr((self.beam_size, self.alpha, self.max_extra_length, nbest,
-                           self.stopping, self.min_length, details, weights,
-                           CONTINUOUS_SLOTS, CONTINUOUS_REFILL,
-                           [m.config for m in self.models or [model]]))
-
     def continuous_search(params, queue, count, *, max_length):
       return transformer_continuous_beam_search(
           model, params, queue, count, slots=CONTINUOUS_SLOTS, refill=CONTINUOUS_REFILL,
@@ -214,53 +178,15 @@ class Translator:
            max_length, str(jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), args)))
     if key not in self._programs:
       self._programs[key] = self._compiler.submit(self._compile, search, params, shapes,
-                                                  max_length, repr(key[1:]))
+                                                  max_length)
     return self._programs[key]
 
-  def _compile(self, search: Any, params: Any, shapes: tuple, max_length: int,
-               signature: str) -> Any:
-    """search compiled for params and `shapes`, through its export in the compilation cache
-    when there is one (`_exported_path`): a later Translator with the same search, shapes
-    and code loads it from there instead of tracing and lowering it again."""
+  def _compile(self, search: Any, params: Any, shapes: tuple, max_length: int) -> Any:
+    """search traced, lowered and compiled for params and `shapes` (XLA's compilation cache,
+    when set, keeps the compiled program for later processes)."""
     self.compiles += 1
     options = _CPU_COMPILER_OPTIONS if self._on_cpu else None
-    path = self._exported_path(search, signature)
-    if path is None:
-      return search.lower(params, *shapes, max_length=max_length).compile(options)
-    exported = None
-    if os.path.exists(path):
-      try:
-        with open(path, 'rb') as f:
-          exported = export.deserialize(bytearray(f.read()))
-        logging.info('Loaded the search exported to %s.', path)
-      except Exception as error:  # A damaged file is exported again.
-        logging.warning('Exporting the search again: %s did not load (%s).', path, error)
-    if exported is None:
-      exported = export.export(search)(params, *shapes, max_length=max_length)
-      partial = f'{path}.{os.getpid()}.tmp'
-      try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(partial, 'wb') as f:
-          f.write(exported.serialize())
-        os.replace(partial, path)
-        logging.info('Exported the search to %s.', path)
-      except OSError as error:  # A read-only cache still translates.
-        logging.warning('Could not keep the exported search in %s: %s', path, error)
-    return jax.jit(exported.call).lower(params, *shapes).compile(options)
-
-  def _exported_path(self, search: Any, signature: str) -> str | None:
-    """The file of `search` exported for the parameters and arguments of `signature` in the
-    compilation cache's EXPORTED_SEARCHES folder; None without a cache or with several
-    processes. Its name hashes all a search is traced from: the Translator's settings and
-    models, the signature, the devices and `code_fingerprint()`."""
-    cache = jax.config.jax_compilation_cache_dir
-    if not cache or not jax.config.jax_enable_compilation_cache or jax.process_count() > 1:
-      return None
-    name = 'continuous' if search is self._continuous_search else 'batch'
-    key = hashlib.sha256(repr((name, self._settings, signature, self.mesh.devices.shape,
-                               self.mesh.devices.flat[0].device_kind,
-                               code_fingerprint())).encode()).hexdigest()
-    return os.path.join(cache, EXPORTED_SEARCHES, f'{name}-{key}.bin')
+    return search.lower(params, *shapes, max_length=max_length).compile(options)
 
   def _jobs(self, params: Any, sides: dict[str, list[np.ndarray]], prefixes: bool
             ) -> list[tuple[np.ndarray, concurrent.futures.Future, tuple, Any]]:

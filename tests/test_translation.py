@@ -1,7 +1,6 @@
 """Runs written by earlier versions (nmt/legacy.py), the Translator's compiled search, scores."""
 
 import json
-import os
 import pathlib
 
 import jax
@@ -11,7 +10,6 @@ import pytest
 
 import model as model_lib
 from configs import multi30k
-from model.cpu import continuous_batching
 from nmt import legacy, runs, sharding
 from nmt import translator as translator_lib
 
@@ -129,58 +127,3 @@ def test_continuous_queues_take_every_sentence_once_longest_first_within_the_bud
       np.testing.assert_array_equal(queue[row, :len(sources[i])], sources[i])
       assert not queue[row, len(sources[i]):].any()
     assert not queue[len(indices):].any()
-
-
-def test_exported_searches_are_named_by_settings_signature_and_code(monkeypatch):
-  """A search exported to the compilation cache is found again only by a Translator that
-  would trace the same program: another beam, argument signature or code is another file."""
-  config, tokenizer, model = runs.load_run(str(LEGACY_RUN))
-  mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  make = lambda **settings: translator_lib.Translator(model, tokenizer, config.decode, mesh,
-                                                   **settings)
-  first, again, beam_2 = make(), make(), make(beam_size=2)
-  path = first._exported_path(first._search, 'signature')
-  assert path.startswith(jax.config.jax_compilation_cache_dir)  # The test run's (conftest).
-  assert again._exported_path(again._search, 'signature') == path
-  assert beam_2._exported_path(beam_2._search, 'signature') != path
-  assert first._exported_path(first._search, 'another signature') != path
-  assert first._exported_path(first._continuous_search, 'signature') != path
-  monkeypatch.setattr(continuous_batching, 'FIRST_CHUNK_LENGTH', 4)
-  assert first._exported_path(first._search, 'signature') != path
-  monkeypatch.undo()
-  assert first._exported_path(first._search, 'signature') == path
-  monkeypatch.setattr(jax, 'process_count', lambda: 2)
-  assert first._exported_path(first._search, 'signature') is None
-
-
-def test_a_search_loaded_from_its_export_translates_as_a_traced_one(monkeypatch, caplog):
-  """The first Translator exports its searches, a second loads them (no tracing), a damaged
-  export is exported again: every one translates as the search traced without a cache."""
-  config, tokenizer, model = runs.load_run(str(LEGACY_RUN))
-  mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  params, _ = runs.load_params(str(LEGACY_RUN), mesh)
-  sources = LEGACY_SOURCES + ['A dog.', 'Two men walk along a long sandy beach at sunset '
-                                        'with their three dogs and a small red ball.']
-  make = lambda: translator_lib.Translator(model, tokenizer, config.decode, mesh, nbest=2,
-                                        alpha=0.3, batch_tokens=16)  # Settings no other test uses.
-  with monkeypatch.context() as patch:
-    patch.setattr(translator_lib.Translator, '_exported_path', lambda *args: None)
-    traced = make()(params, sources)
-  caplog.set_level('INFO')
-  exporting = make()
-  assert exporting(params, sources) == traced
-  paths = [exporting._exported_path(exporting._search, repr(key[1:]))
-           for key in exporting._programs]
-  assert len(paths) == exporting.compiles >= 2 and all(map(os.path.isfile, paths))
-  assert caplog.text.count('Exported the search') == len(paths)
-  caplog.clear()
-  assert make()(params, sources) == traced
-  assert caplog.text.count('Loaded the search exported') == len(paths)
-  assert 'Exported the search' not in caplog.text
-  with open(paths[0], 'wb') as f:
-    f.write(b'not an exported search')
-  caplog.clear()
-  assert make()(params, sources) == traced
-  assert 'Exporting the search again' in caplog.text
-  with open(paths[0], 'rb') as f:
-    assert f.read() != b'not an exported search'
