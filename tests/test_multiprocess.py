@@ -172,7 +172,7 @@ def test_a_run_stopped_by_sigterm_resumes_exactly(tmp_path, two_process_run):
 
 
 @needs_multi30k
-def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_run):
+def test_a_killed_process_stops_the_others_with_an_error(tmp_path):
   workdir = tmp_path / 'run'
   processes = cluster_launcher.Processes('train.py', *TRAIN_FLAGS, f'--workdir={workdir}',
                                          '--config.num_train_steps=100000',
@@ -185,11 +185,8 @@ def test_a_killed_process_stops_the_others_with_an_error(tmp_path, two_process_r
   assert survivor.returncode != 0
   assert time.time() - killed_at < 60  # The heartbeat timeout (10 s) and the abort.
   assert 'another task died' in survivor.stderr or 'unhealthy' in survivor.stderr
-  saved = sorted(int(s) for s in os.listdir(workdir / 'checkpoints') if s.isdigit())
-  assert saved[-1] + 4 <= TWO_PROCESS_STEPS, f'killed late (step {saved[-1]})'
-  finished = train(workdir, saved[-1] + 4)  # Takes over the dead trainer's lock, too.
-  assert f'Resumed from step {saved[-1]}' in finished[0].stderr
-  assert_params_close(workdir, saved[-1] + 4, two_process_run[0])
+  # Resuming from the last checkpoint is the other tests' claim (and taking over a dead
+  # holder's workdir lock tests/test_workdir_lock.py's).
 
 
 @needs_multi30k
