@@ -85,6 +85,7 @@ def test_input_pipeline_benchmark_runs(tmp_path):
   assert run['peak_rss_mb'] > 0 and run['resume_peak_rss_mb'] > 0
 
 
+@pytest.mark.slow  # The benchmark's other mode; the fast set runs it on Multi30k, one process.
 @needs_multi30k
 def test_input_pipeline_benchmark_on_a_synthetic_corpus_with_two_processes(tmp_path):
   out = tmp_path / 'input.json'
