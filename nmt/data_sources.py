@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import fcntl
 import gzip
 import hashlib
 import os
@@ -265,11 +266,30 @@ def _bounded_shuffler():
     shuffle.MAX_MEM_BUFFER_SIZE = saved
 
 
+@contextlib.contextmanager
+def preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
+  """Held while this process prepares `builder`: other processes of this machine that prepare
+  it too (two runs started at once on one data_dir) wait, then find it prepared. A data_dir
+  on a remote file system (gs://...) has no lock: there only process 0 of a run prepares."""
+  data_dir = os.fspath(builder.data_dir)
+  if '://' in data_dir:
+    yield
+    return
+  os.makedirs(os.path.dirname(data_dir), exist_ok=True)
+  with open(data_dir + '.lock', 'w') as f:  # Beside the version folder, which TFDS ignores.
+    fcntl.flock(f, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuilder:
   """The builder of config.data.dataset_name, prepared in its data_dir.
 
-  Process 0 downloads and prepares (once; later runs read the prepared copy); the other
-  processes wait until it is prepared, so they never write into the same data_dir at once.
+  Process 0 downloads and prepares (once; later runs read the prepared copy), under
+  `preparation_lock`; the other processes of the run wait until it is prepared, so they never
+  write into the same data_dir at once.
   """
   builder, data = make_builder(config), config.data
   langs = list(builder.info.features.keys())  # Known before (a long) prepare.
@@ -278,10 +298,13 @@ def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuil
       raise DataError(f'Language {lang!r} not in {data.dataset_name!r} (has {langs}); '
                       'check config.data.source_lang / config.data.target_lang.')
   if not builder.is_prepared() and process_index == 0:
-    logging.info('Preparing %s in %s (once; later runs read it from there).',
-                 data.dataset_name, builder.data_dir)
-    with _bounded_shuffler():
-      builder.download_and_prepare(file_format='array_record')
+    with preparation_lock(builder):
+      if builder.is_prepared():  # By another process, while this one waited for the lock.
+        return make_builder(config)
+      logging.info('Preparing %s in %s (once; later runs read it from there).',
+                   data.dataset_name, builder.data_dir)
+      with _bounded_shuffler():
+        builder.download_and_prepare(file_format='array_record')
   elif not builder.is_prepared():
     wait_for(f'{data.dataset_name} to be prepared in {builder.data_dir}', builder.is_prepared,
              process_index)

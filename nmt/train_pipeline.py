@@ -18,7 +18,7 @@ from typing import Any
 
 import grain
 import numpy as np
-from absl import logging
+from absl import flags, logging
 
 from nmt.data_sources import PairSource
 from nmt.text_io import DataError
@@ -170,6 +170,8 @@ class TrainIterator:
       ds = grain.experimental.ZipIterDataset(
           [shard_dataset(source, s, settings) for s in group]).map(_concat)
       if settings.num_workers:
+        if not flags.FLAGS.is_parsed():  # Grain reads its absl flags; a library caller may
+          flags.FLAGS.mark_as_parsed()  # never have parsed any (train.py has).
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=2))
       else:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)

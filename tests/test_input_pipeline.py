@@ -266,6 +266,28 @@ def test_empty_lines_skipped_for_train_kept_for_eval(tmp_path):
   assert ip.read_split(config, 'val') == (['a', ''], ['b', 'c'])
 
 
+
+def test_a_run_waits_for_another_process_preparing_the_same_data(tmp_path):
+  """Two runs started at once on one data_dir (or two test workers): the second waits for the
+  first's preparation, then reads it, instead of failing to rename its own copy into place."""
+  import fcntl
+  folder = tmp_path / 'data'
+  _write(folder, 'train.en', ['a dog', 'a cat'])
+  _write(folder, 'train.de', ['ein Hund', 'eine Katze'])
+  config = _config(tmp_path, folder)
+  builder = data_sources.make_builder(config)
+  read = []
+  with data_sources.preparation_lock(builder):  # Another process is preparing it.
+    waiting = threading.Thread(target=lambda: read.append(ip.read_split(config, 'train')))
+    waiting.start()
+    waiting.join(3)
+    assert waiting.is_alive() and not builder.is_prepared()
+    builder.download_and_prepare(file_format='array_record')
+  waiting.join(120)
+  assert read == [(['a dog', 'a cat'], ['ein Hund', 'eine Katze'])]
+  with open(os.fspath(builder.data_dir) + '.lock', 'w') as f:  # Released.
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
 def _no_network(*args, **kwargs):
   raise AssertionError('network used')
 
