@@ -151,6 +151,7 @@ def serve(translator: ExportedTranslator, args: argparse.Namespace) -> None:
   print(f'Serving {url}/ (page), {url}/translate (POST), {url}/health', file=sys.stderr,
         flush=True)
   server.serve_forever()
+  server.stop_accepting()
   connections = server.connections
   print(f'{stopping[0]}: draining ({connections["busy"]} requests in flight); new connections '
         'are refused', file=sys.stderr, flush=True)

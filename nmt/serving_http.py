@@ -192,12 +192,9 @@ class TranslationServer(ThreadingHTTPServer):
                    f'ms={milliseconds:.1f}\n')
     self.log.flush()
 
-  def drain(self) -> None:
-    """Stops accepting (call after serve_forever has returned), lets every request already
-    begun finish and be answered, closes the connections that sent nothing yet, then stops
-    the batcher."""
-    # The connections already waiting in the listen queue were made before the server stopped
-    # accepting: each is taken and answered like any other; later ones are refused.
+  def stop_accepting(self) -> None:
+    """Call after serve_forever has returned: the connections already waiting in the listen
+    queue (made before the server stopped) are taken like any other; later ones are refused."""
     self.socket.setblocking(False)
     while True:
       try:
@@ -206,7 +203,11 @@ class TranslationServer(ThreadingHTTPServer):
         break
       self.process_request(request, address)
     self.draining = True
-    self.socket.close()  # New connections are refused.
+    self.socket.close()
+
+  def drain(self) -> None:
+    """After stop_accepting: lets every request already begun finish and be answered, closes
+    the connections that sent nothing yet, then stops the batcher."""
     while True:
       with self._lock:
         idle = [r for r, state in self._connections.items() if state == 'idle']
