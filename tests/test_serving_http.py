@@ -182,6 +182,28 @@ def test_details_equal_decode_and_the_forward_pass(trained_run, translator):
     assert output['alignment'] == [int(i) for i in mean.argmax(axis=1)]
 
 
+def requests_behind_a_held_one(server, lines, held) -> tuple[dict, list]:
+  """Sends lines[0] and waits until its translation is held (`held` set), then every other
+  line as its own request, and waits until all of those are queued: (results by line index,
+  filled as answers come; the client threads)."""
+  results = {}
+
+  def client(i):
+    results[i] = server.request('/translate', {'text': [lines[i]]})[:2]
+
+  clients = [threading.Thread(target=client, args=(0,))]
+  clients[0].start()
+  assert held.wait(120)
+  clients += [threading.Thread(target=client, args=(i,)) for i in range(1, len(lines))]
+  for thread in clients[1:]:
+    thread.start()
+  deadline = time.monotonic() + 60
+  while server.http.batcher.queued_sentences < len(lines) - 1:
+    assert time.monotonic() < deadline, server.http.batcher.queued_sentences
+    time.sleep(0.01)
+  return results, clients
+
+
 def test_pool_admits_requests_that_arrive_together(serving_module, translator):
   """The slot pool: with its first call held, 12 one-sentence requests queue, then one
   admission starts all 12 in the running search (no request waits for another's end), and
@@ -201,24 +223,10 @@ def test_pool_admits_requests_that_arrive_together(serving_module, translator):
 
   pool.step = step
   try:
-    results = {}
-
-    def client(i):
-      results[i] = server.request('/translate', {'text': [lines[i]]})[:2]
-
-    first = threading.Thread(target=client, args=(0,))
-    first.start()
-    assert held.wait(120)
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(1, len(lines))]
-    for thread in threads:
-      thread.start()
-    deadline = time.monotonic() + 60
-    while server.http.batcher.queued_sentences < len(lines) - 1:
-      assert time.monotonic() < deadline, server.http.batcher.queued_sentences
-      time.sleep(0.01)
+    results, clients = requests_behind_a_held_one(server, lines, held)
     assert (pool.admissions, pool.admitted) == (1, 1)
     release.set()
-    for thread in [first, *threads]:
+    for thread in clients:
       thread.join(120)
     assert (pool.admissions, pool.admitted) == (2, len(lines))
     assert results == {i: (200, {'translations': [expected[i]]}) for i in range(len(lines))}
@@ -306,24 +314,10 @@ def test_batches_share_one_search(serving_module, translator):
   translator.translate = translate
   server = Server(serving_module, translator, pool=False)
   try:
-    results = {}
-
-    def client(i):
-      results[i] = server.request('/translate', {'text': [lines[i]]})[:2]
-
-    first = threading.Thread(target=client, args=(0,))
-    first.start()
-    assert held.wait(120)
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(1, len(lines))]
-    for thread in threads:
-      thread.start()
-    deadline = time.monotonic() + 60
-    while server.http.batcher.queued_sentences < len(lines) - 1:
-      assert time.monotonic() < deadline, server.http.batcher.queued_sentences
-      time.sleep(0.01)
+    results, clients = requests_behind_a_held_one(server, lines, held)
     searches = translator.searches
     release.set()
-    for thread in [first, *threads]:
+    for thread in clients:
       thread.join(120)
     assert batches == [1, len(lines) - 1]
     assert translator.searches == searches + 2  # The held batch's, then one for the rest.
