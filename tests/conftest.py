@@ -121,6 +121,17 @@ def pytest_sessionfinish(session, exitstatus):
     shutil.rmtree(RUN_DIR, ignore_errors=True)
 
 
+def pytest_runtest_setup(item):
+  """Under --dist loadgroup, pytest-xdist marks each grouped test's node id with '@group'; a
+  grouped test without the mark runs beside its group's tests on another worker (two clusters
+  of processes at once, module fixtures built twice): it fails, saying why."""
+  if (item.config.getoption('loadgroup', False) and item.get_closest_marker('xdist_group')
+      and '@' not in item.nodeid):
+    pytest.fail('pytest-xdist did not group this test (--dist loadgroup): this pytest and '
+                "pytest-xdist do not work together; install the versions pyproject.toml's test "
+                "extra asks for (pip install -e '.[test]').", pytrace=False)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   """Under CI=true a skip is a failure: CI has the shared data and every test dependency, so a

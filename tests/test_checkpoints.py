@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import built_once
 
 import train
 from configs import tiny
@@ -46,21 +47,24 @@ def run_config(**overrides):
   return config
 
 
-@pytest.fixture(scope='module')
-def trained_run(tmp_path_factory):
-  """A finished tiny run with checkpoints 2, 4, 6, 8 (copy it before changing it)."""
+@pytest.fixture(scope='session')
+def eight_step_run():
+  """A finished tiny run with checkpoints 2, 4, 6, 8, trained once per test run (shared by
+  the workers): copy it before changing it."""
   if not os.path.isfile(os.path.join(MULTI30K, 'train.en')):
     pytest.skip('needs the Multi30k files: set MULTI30K_DIR')
-  workdir = str(tmp_path_factory.mktemp('run'))
-  train.train_and_evaluate(run_config(), workdir)
-  assert checkpoints.saved_steps(workdir) == [2, 4, 6, 8]
-  return workdir
+
+  def build(path):
+    train.train_and_evaluate(run_config(), path)
+    assert checkpoints.saved_steps(path) == [2, 4, 6, 8]
+
+  return built_once('eight_step_run', build)
 
 
 @pytest.fixture
-def run(trained_run, tmp_path):
+def run(eight_step_run, tmp_path):
   copy = str(tmp_path / 'run')
-  shutil.copytree(trained_run, copy)
+  shutil.copytree(eight_step_run, copy)
   return copy
 
 
