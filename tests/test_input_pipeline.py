@@ -773,7 +773,8 @@ def test_folder_preparation_streams_with_a_bounded_buffer(tmp_path, monkeypatch)
   folder = tmp_path / 'data'
   _write(folder, 'train.en', ['one', 'two', 'three'])
   _write(folder, 'train.de', ['eins', 'zwei', 'drei'])
-  keys = [key for key, _ in data_sources.stream_pairs(str(folder), 'train', ('en', 'de'))]
+  paths = data_sources.check_files(str(folder), 'train', ('en', 'de'))
+  keys = [key for key, _ in data_sources.stream_pairs(paths)]
   assert keys == sorted(keys) and keys[-1] > 2**126
   from tensorflow_datasets.core import shuffle
   buffers = []
