@@ -1,12 +1,10 @@
 """Input pipeline: what a training run reads, from one call (`make_data`).
 
-A source (`config.data.dataset_name`) is prepared once by TFDS and read by index
-(nmt/data_sources.py); `read_split` gives a split's texts for evaluation and decoding. The
-tokenizer, a joint sentencepiece BPE, is trained once per run on a seeded sample of the training
-pairs (`load_or_train_tokenizer`). Training batches come from Grain pipelines over fixed shards
-(nmt/train_pipeline.py), the same on any number of processes and resumed exactly from the state
-saved with each checkpoint. Process 0 alone trains the tokenizer and prepares TFDS data; the
-other processes wait for them.
+Sources are prepared once by TFDS and read by index (nmt/data_sources.py); `read_split` gives
+a split's texts for evaluation and decoding. The tokenizer, a joint sentencepiece BPE, is
+trained once per run on a seeded sample of the training pairs. Training batches come from Grain
+pipelines over fixed shards (nmt/train_pipeline.py). Process 0 alone trains the tokenizer and
+prepares the data; the other processes wait for them.
 """
 
 from __future__ import annotations
@@ -43,12 +41,10 @@ def _texts(source: PairSource, indices: np.ndarray, name: str) -> list[tuple[str
 
 
 def read_split(config, split: str, *, process_index: int = 0) -> tuple[list[str], list[str]]:
-  """All (source, target) texts of a split, in dataset order, whitespace-stripped.
-
-  For evaluation and decoding (training reads through `make_data`). Pairs with an empty side
-  are dropped (and counted) for `config.data.train_split` only; evaluation splits keep them so
-  that outputs stay aligned with reference files. Process 0 prepares the data, the others wait.
-  """
+  """All (source, target) texts of a split, in dataset order, whitespace-stripped, for
+  evaluation and decoding. Pairs with an empty side are dropped (and counted) for
+  `config.data.train_split` only; evaluation splits keep them so that outputs stay aligned with
+  reference files. Process 0 prepares the data, the others wait."""
   name = f'{config.data.dataset_name}/{split}'
   source = open_split(config, split, process_index=process_index)
   pairs = _texts(source, np.arange(len(source)), name)
@@ -63,12 +59,9 @@ def read_split(config, split: str, *, process_index: int = 0) -> tuple[list[str]
 
 
 def tokenizer_sample(config) -> list[str]:
-  """The texts the tokenizer trains on: a seeded sample of the train split's pairs.
-
-  At most config.data.spm_sample_size sentences: both sides of spm_sample_size // 2 pairs
-  drawn without replacement (seed config.seed; every pair when the split is that small), all
-  sources then all targets, each in corpus order; pairs with an empty side are left out.
-  """
+  """The texts the tokenizer trains on: both sides of config.data.spm_sample_size // 2 pairs of
+  the train split drawn without replacement (seed config.seed; every pair when the split is that
+  small), all sources then all targets, each in corpus order; pairs with an empty side left out."""
   data = config.data
   source = open_split(config, data.train_split)
   indices = np.arange(len(source))
@@ -80,12 +73,9 @@ def tokenizer_sample(config) -> list[str]:
 
 
 def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0) -> Tokenizer:
-  """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`.
-
-  Its vocabulary is config.model.vocab_size; the same data and seed give the same bytes
-  (`nmt.tokenizer.train`). Only process 0 trains (and prepares the data for it); the others
-  wait for the file (workdir is shared by all processes).
-  """
+  """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`: a vocabulary of
+  config.model.vocab_size, the same bytes from the same data and seed. Only process 0 trains
+  (and prepares the data for it); the others wait for the file (workdir is shared by all)."""
   path = os.path.join(workdir, 'tokenizer.model')
   vocab_size = config.model.vocab_size
   if os.path.isfile(path):

@@ -137,13 +137,10 @@ class ParallelTextFolder(AlignedText, skip_registration=True):
 
 
 class Multi30k(AlignedText, skip_registration=True):
-  """Multi30k task 1 (Flickr30k captions), multi-way aligned en/de/fr.
-
-  Reads a local copy of the unzipped release files when `local_dir` is given (never touches
-  the network then; a file that differs from the release is a warning), else downloads the
-  gzip'd originals, which TFDS gunzips, and checks their sha256. A local copy is prepared under
-  a builder config named by a fingerprint of its folder and files.
-  """
+  """Multi30k task 1 (Flickr30k captions), multi-way aligned en/de/fr: a local copy of the
+  unzipped release files when `local_dir` is given (no network; a file that differs from the
+  release is a warning; a fingerprint of the files names the builder config), else the gzip'd
+  originals, downloaded, gunzipped by TFDS and checked by sha256."""
 
   HOMEPAGE = 'https://github.com/multi30k/dataset'
   SPLITS = ('train', 'val', 'test_2016_flickr')
@@ -201,9 +198,8 @@ class Multi30k(AlignedText, skip_registration=True):
 
 def make_builder(config) -> tfds.core.DatasetBuilder:
   """The TFDS builder of config.data.dataset_name (`prepared_builder` prepares it)."""
-  data = config.data
+  data, name = config.data, config.data.dataset_name
   kwargs = {'data_dir': data.data_dir or None}
-  name = data.dataset_name
   if name.startswith('folder:'):
     return ParallelTextFolder(folder=name[len('folder:'):],
                               languages=(data.source_lang, data.target_lang), **kwargs)
@@ -250,13 +246,9 @@ def preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
 
 
 def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuilder:
-  """The builder of config.data.dataset_name, prepared in its data_dir.
-
-  Process 0 downloads and prepares (once; later runs read the prepared copy), under
-  `preparation_lock`, with TFDS's writer keeping PREPARE_BUFFER_BYTES of records in memory;
-  the other processes of the run wait until it is prepared, so they never write into the
-  same data_dir at once.
-  """
+  """The builder of config.data.dataset_name, prepared in its data_dir: process 0 downloads
+  and prepares it once (later runs read it), under `preparation_lock`, with TFDS's writer keeping
+  PREPARE_BUFFER_BYTES of records in memory; the other processes wait until it is prepared."""
   builder, data = make_builder(config), config.data
   langs = list(builder.info.features.keys())  # Known before (a long) prepare.
   for lang in (data.source_lang, data.target_lang):
@@ -283,12 +275,9 @@ def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuil
 
 
 class PairSource:
-  """Random access to a split's (source, target) texts as UTF-8 bytes.
-
-  Holds array_record's data source (file paths and ranges), not the builder, so it pickles
-  into Grain's worker processes. It reads in batches (`read`): one record at a time costs far
-  more per record.
-  """
+  """Random access to a split's (source, target) texts as UTF-8 bytes, read in batches (one
+  record at a time costs far more). Holds array_record's data source (file paths and ranges),
+  not the builder, so it pickles into Grain's worker processes."""
 
   def __init__(self, builder: tfds.core.DatasetBuilder, split: str, langs: tuple[str, str]):
     try:

@@ -144,11 +144,9 @@ def _zip_state(state: dict[str, Any]) -> dict[str, Any]:
 
 
 class TrainIterator:
-  """This process's rows of each global batch: its shards' batches in shard order.
-
-  Its shards run in max(1, num_workers) contiguous groups, each a ZipIterDataset of the shards'
-  pipelines, in a Grain worker process or (num_workers 0) in a thread of this process.
-  """
+  """This process's rows of each global batch: its shards' batches in shard order. The shards
+  run in max(1, num_workers) contiguous groups, each a ZipIterDataset of the shards' pipelines,
+  in a Grain worker process or (num_workers 0) in a thread of this process."""
 
   def __init__(self, source: PairSource, settings: Settings, process_index: int = 0,
                process_count: int = 1):
