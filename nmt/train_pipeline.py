@@ -135,12 +135,9 @@ def _concat(parts) -> dict[str, np.ndarray]:
 
 
 def _zip_state(state: dict[str, Any]) -> dict[str, Any]:
-  """The ZipIterDataset state inside a group iterator's state (the group's mp_prefetch or
-  thread prefetch wraps it)."""
-  while 'parents' not in state:
-    state = (state['iterators_in_use_states'][0] if 'iterators_in_use_states' in state
-             else state['parent'])
-  return state
+  """The ZipIterDataset state inside a group iterator's state: mp_prefetch holds it in its one
+  worker's 'iterators_in_use_states'; thread prefetch and map pass it through as it is."""
+  return state['iterators_in_use_states'][0] if 'iterators_in_use_states' in state else state
 
 
 class TrainIterator:
@@ -157,13 +154,13 @@ class TrainIterator:
     self.settings, self.shards = settings, range(process_index * per, (process_index + 1) * per)
     groups = max(1, min(settings.num_workers, per))
     self._groups = [group.tolist() for group in np.array_split(self.shards, groups)]
+    if settings.num_workers and not flags.FLAGS.is_parsed():  # Grain reads its absl flags; a
+      flags.FLAGS.mark_as_parsed()  # library caller may never have parsed any (train.py has).
     self._iters = []
     for group in self._groups:
       ds = grain.experimental.ZipIterDataset(
           [shard_dataset(source, s, settings) for s in group]).map(_concat)
       if settings.num_workers:
-        if not flags.FLAGS.is_parsed():  # Grain reads its absl flags; a library caller may
-          flags.FLAGS.mark_as_parsed()  # never have parsed any (train.py has).
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=2))
       else:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
