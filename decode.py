@@ -58,8 +58,8 @@ def decode(workdir: str, *, input_path: str | None = None, split: str | None = N
   streaming = split is None and input_path == '-' and not stat.S_ISREG(
       os.fstat(sys.stdin.fileno()).st_mode)
   if split:
-    sources, references = input_pipeline.read_split(
-        config, split, process_index=jax.process_index(), process_count=jax.process_count())
+    sources, references = input_pipeline.read_split(config, split,
+                                                     process_index=jax.process_index())
   else:
     sources = None if streaming else text_io.read_lines(input_path)
     references = text_io.read_lines(reference) if reference else None

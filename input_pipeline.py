@@ -1,20 +1,16 @@
 """Input pipeline: what a training run reads, from one call (`make_data`).
 
-Sources (`config.data.dataset_name`: a TFDS translation dataset such as 'wmt14_translate/de-en',
-'multi30k', or 'folder:/path' of aligned `{split}.{lang}` files) are prepared once by TFDS as
-array_record and read by index without TensorFlow (nmt/data_sources.py); `read_split` gives a
-split's texts for evaluation and decoding. The tokenizer, a joint sentencepiece BPE, is trained
-once per run on a seeded sample of the training pairs (`load_or_train_tokenizer`). Training
-batches come from Grain pipelines over `data.num_shards` fixed shards (nmt/train_pipeline.py):
-shuffled each epoch, tokenized as needed (BPE-dropout with `data.bpe_dropout`), packed best-fit;
-they do not depend on the number of processes, each process reads and tokenizes its shards
-only, and the state saved with each checkpoint resumes them exactly. Process 0 alone trains
-the tokenizer and prepares TFDS data; the other processes wait for them.
+Sources are prepared once by TFDS and read by index (nmt/data_sources.py); `read_split` gives
+a split's texts for evaluation and decoding. The tokenizer, a joint sentencepiece BPE, is
+trained once per run on a seeded sample of the training pairs. Training batches come from Grain
+pipelines over fixed shards (nmt/train_pipeline.py). Process 0 alone trains the tokenizer and
+prepares the data; the other processes wait for them.
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -30,92 +26,74 @@ from nmt.train_pipeline import FEATURE_KEYS, Settings, TrainIterator  # noqa: F4
 READ_CHUNK_PAIRS = 8192
 
 
-def _texts(source: PairSource, indices, name: str) -> tuple[list[str], list[str]]:
-  """The whitespace-stripped texts of the pairs at `indices`, READ_CHUNK_PAIRS at a time."""
-  indices = np.asarray(indices, np.int64)
-  sources, targets = [], []
+def _texts(source: PairSource, indices: np.ndarray, name: str) -> list[tuple[str, str]]:
+  """The whitespace-stripped (source, target) texts of the pairs at `indices`, read
+  READ_CHUNK_PAIRS at a time."""
+  pairs = []
   for start in range(0, len(indices), READ_CHUNK_PAIRS):
     chunk = indices[start:start + READ_CHUNK_PAIRS]
-    for index, (s, t) in zip(chunk.tolist(), source.read(chunk)):
+    for index, pair in zip(chunk.tolist(), source.read(chunk)):
       try:
-        sources.append(s.decode('utf-8').strip())
-        targets.append(t.decode('utf-8').strip())
+        pairs.append(tuple(side.decode('utf-8').strip() for side in pair))
       except UnicodeDecodeError as e:
         raise DataError(f'{name}: pair {index} is not valid UTF-8 ({e}).') from None
-  return sources, targets
+  return pairs
 
 
-def read_split(config, split: str, *, process_index: int = 0,
-               process_count: int = 1) -> tuple[list[str], list[str]]:
-  """All (source, target) texts of a split, in dataset order, whitespace-stripped.
-
-  For evaluation and decoding (training reads through `make_data`). Pairs with an empty side
-  are dropped (and counted) for `config.data.train_split` only; evaluation splits keep them so
-  that outputs stay aligned with reference files. Process 0 prepares the data, the others wait.
-  """
-  del process_count  # Every process reads the whole split.
-  data = config.data
-  name = f'{data.dataset_name}/{split}'
+def read_split(config, split: str, *, process_index: int = 0) -> tuple[list[str], list[str]]:
+  """All (source, target) texts of a split, in dataset order, whitespace-stripped, for
+  evaluation and decoding. Pairs with an empty side are dropped (and counted) for
+  `config.data.train_split` only; evaluation splits keep them so that outputs stay aligned with
+  reference files. Process 0 prepares the data, the others wait."""
+  name = f'{config.data.dataset_name}/{split}'
   source = open_split(config, split, process_index=process_index)
-  src, tgt = _texts(source, range(len(source)), name)
-  empty = sum(1 for s, t in zip(src, tgt, strict=True) if not s or not t)
-  if empty and split == data.train_split:
-    keep = [i for i, (s, t) in enumerate(zip(src, tgt, strict=True)) if s and t]
-    src, tgt = [src[i] for i in keep], [tgt[i] for i in keep]
+  pairs = _texts(source, np.arange(len(source)), name)
+  empty = sum(not (s and t) for s, t in pairs)
+  if empty and split == config.data.train_split:
+    pairs = [(s, t) for s, t in pairs if s and t]
     logging.warning('%s: skipped %d pairs with an empty side.', name, empty)
   elif empty:
     logging.warning('%s: %d pairs have an empty side (kept).', name, empty)
-  logging.info('%s: %d pairs.', name, len(src))
-  return src, tgt
+  logging.info('%s: %d pairs.', name, len(pairs))
+  return [s for s, _ in pairs], [t for _, t in pairs]
 
 
 def tokenizer_sample(config) -> list[str]:
-  """The texts the tokenizer trains on: a seeded sample of the train split's pairs.
-
-  At most config.data.spm_sample_size sentences: both sides of spm_sample_size // 2 pairs
-  drawn without replacement (seed config.seed; every pair when the split is that small), all
-  sources then all targets, each in corpus order; pairs with an empty side are left out.
-  """
+  """The texts the tokenizer trains on: both sides of config.data.spm_sample_size // 2 pairs of
+  the train split drawn without replacement (seed config.seed; every pair when the split is that
+  small), all sources then all targets, each in corpus order; pairs with an empty side left out."""
   data = config.data
   source = open_split(config, data.train_split)
   indices = np.arange(len(source))
   if 2 * len(source) > data.spm_sample_size:
     rng = np.random.default_rng(config.seed)
     indices = np.sort(rng.choice(len(source), data.spm_sample_size // 2, replace=False))
-  sources, targets = _texts(source, indices, f'{data.dataset_name}/{data.train_split}')
-  kept = [i for i, (s, t) in enumerate(zip(sources, targets)) if s and t]
-  return [sources[i] for i in kept] + [targets[i] for i in kept]
+  pairs = [p for p in _texts(source, indices, f'{data.dataset_name}/{data.train_split}') if all(p)]
+  return [s for s, _ in pairs] + [t for _, t in pairs]
 
 
-def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0,
-                            process_count: int = 1) -> Tokenizer:
-  """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`.
-
-  Its vocabulary is config.model.vocab_size; the same data and seed give the same bytes
-  (`nmt.tokenizer.train`). Only process 0 trains (and prepares the data for it); the others
-  wait for the file (workdir is shared by all processes).
-  """
-  del process_count
+def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0) -> Tokenizer:
+  """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`: a vocabulary of
+  config.model.vocab_size, the same bytes from the same data and seed. Only process 0 trains
+  (and prepares the data for it); the others wait for the file (workdir is shared by all)."""
   path = os.path.join(workdir, 'tokenizer.model')
   vocab_size = config.model.vocab_size
-  if not os.path.isfile(path) and process_index != 0:
-    wait_for(path, lambda: os.path.isfile(path), process_index)
   if os.path.isfile(path):
-    tokenizer = load_tokenizer(path)
-    if tokenizer.vocab_size != vocab_size:
-      raise DataError(f'{path} has {tokenizer.vocab_size} pieces but config.model.vocab_size is '
-                      f'{vocab_size}: use a new workdir, or set the vocabulary size to match.')
     logging.info('Using existing tokenizer %s.', path)
-    return tokenizer
-  texts = tokenizer_sample(config)
-  os.makedirs(workdir, exist_ok=True)
-  model = tokenizer_lib.train(texts, vocab_size)
-  tmp = f'{path}.tmp{os.getpid()}'
-  with open(tmp, 'wb') as f:
-    f.write(model)
-  os.replace(tmp, path)  # Atomic: a waiting process never sees half a file.
-  logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', vocab_size, len(texts), path)
-  return load_tokenizer(path)
+  elif process_index != 0:
+    wait_for(path, lambda: os.path.isfile(path), process_index)
+  else:
+    texts = tokenizer_sample(config)
+    os.makedirs(workdir, exist_ok=True)
+    tmp = f'{path}.tmp{os.getpid()}'
+    Path(tmp).write_bytes(tokenizer_lib.train(texts, vocab_size))
+    os.replace(tmp, path)  # Atomic: a waiting process never sees half a file.
+    logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', vocab_size, len(texts), path)
+  tokenizer = load_tokenizer(path)
+  if tokenizer.vocab_size != vocab_size:
+    raise DataError(f'{path} has {tokenizer.vocab_size} pieces but config.model.vocab_size is '
+                    f'{vocab_size}: use a new workdir, or set the vocabulary size to match.')
+  return tokenizer
 
 
 class Data(NamedTuple):
@@ -134,8 +112,7 @@ def make_data(config, workdir: str, *, data_state: dict | None = None, row_multi
   """The tokenizer, the training iterator (from `data_state`, a checkpoint's, if given) and
   the evaluation batches (rows a multiple of `row_multiple`, e.g. the devices) of a run."""
   data = config.data
-  processes = {'process_index': process_index, 'process_count': process_count}
-  tokenizer = load_or_train_tokenizer(config, workdir, **processes)
+  tokenizer = load_or_train_tokenizer(config, workdir, process_index=process_index)
   source = open_split(config, data.train_split, process_index=process_index)
   settings = Settings.of(config, os.path.join(workdir, 'tokenizer.model'))
   train = TrainIterator(source, settings, process_index, process_count)
@@ -146,7 +123,7 @@ def make_data(config, workdir: str, *, data_state: dict | None = None, row_multi
                train.shards[0], train.shards[-1], data.num_shards,
                len(source) * len(train.shards) // data.num_shards, len(source),
                data.batch_size // process_count, ', resumed' if state else '')
-  sources, targets = read_split(config, data.eval_split, **processes)
+  sources, targets = read_split(config, data.eval_split, process_index=process_index)
   eval_batches = [arrays for _, arrays in batching.length_batches(
       {'inputs': tokenizer.encode(sources), 'targets': tokenizer.encode(targets)},
       config.decode.batch_tokens, config.model.max_len, row_multiple=row_multiple,

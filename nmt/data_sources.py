@@ -2,30 +2,28 @@
 
 Every source (`config.data.dataset_name`) is a TFDS builder: a TFDS translation dataset (e.g.
 'wmt14_translate/de-en'), 'multi30k' (`Multi30k`) or 'folder:/path' (`ParallelTextFolder`,
-aligned `{split}.{lang}` files). Process 0 prepares it as array_record (`prepared_builder`; the
-other processes wait), streaming text files line by line with memory bounded by TFDS's
-shuffler buffer. `PairSource` reads any split or sub-split of it by index, without TensorFlow:
-array_record's data source over TFDS's file instructions, each record a tf.train.Example parsed
-with TFDS's compiled proto. The same reader reads tfds.testing.mock_data's records.
+aligned `{split}.{lang}` files, streamed). Process 0 prepares it as array_record
+(`prepared_builder`; the other processes wait). `PairSource` reads any split or sub-split of it
+by index, without TensorFlow: each record a tf.train.Example parsed with TFDS's compiled proto.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import fcntl
-import gzip
 import hashlib
+import itertools
 import os
-import shutil
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
+from unittest import mock
 
 import tensorflow_datasets as tfds
 from absl import logging
 
+from nmt import text_io
 from nmt.text_io import DataError, MissingDataError
 
 MULTI30K_ENV = 'MULTI30K_DIR'
@@ -43,11 +41,9 @@ PREPARE_BUFFER_BYTES = 64 << 20
 
 
 def _count_lines(path: str) -> int:
-  count, last = 0, b'\n'
+  """Lines ending in '\n', and a last one without it (as `text_io.stream_lines` counts)."""
   with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      count, last = count + block.count(b'\n'), block[-1:]
-  return count + (last != b'\n')
+    return sum(1 for _ in f)
 
 
 def check_files(folder: str, split: str, langs: Sequence[str]) -> dict[str, str]:
@@ -61,36 +57,27 @@ def check_files(folder: str, split: str, langs: Sequence[str]) -> dict[str, str]
   return paths
 
 
-def stream_pairs(folder: str, split: str, langs: Sequence[str]) -> Iterator[tuple[int, dict]]:
-  """(key, {lang: line}) for each line of the split's aligned files, read as a stream. Keys
-  increase with the line over TFDS's 128-bit key space: its shuffler spills records to files
-  by key range, and small keys would all land in one, which it then sorts in memory."""
-  paths = check_files(folder, split, langs)
+def stream_pairs(paths: dict[str, str]) -> Iterator[tuple[int, dict[str, str]]]:
+  """(key, {lang: line}) for each line of aligned files {lang: path}, read as a stream
+  (`text_io.stream_lines`: UTF-8 errors name file and line). Keys increase with the line over
+  TFDS's 128-bit key space: its shuffler spills records to files by key range, and small keys
+  would all land in one, which it then sorts in memory."""
   counts = {path: _count_lines(path) for path in paths.values()}
   if len(set(counts.values())) > 1:
     raise DataError(f'Line counts differ: {counts}. Files of a split must be aligned line '
                     'by line (line n of one translates line n of the other); fix the files.')
   stride = (1 << 128) // max(1, next(iter(counts.values())))
   with contextlib.ExitStack() as stack:
-    files = [stack.enter_context(open(p, 'rb')) for p in paths.values()]
-    for i, lines in enumerate(zip(*files)):
-      texts = {}
-      for lang, line in zip(langs, lines):
-        try:
-          texts[lang] = (line.removeprefix(codecs.BOM_UTF8) if i == 0 else line).decode(
-              'utf-8').removesuffix('\n').removesuffix('\r')
-        except UnicodeDecodeError as e:
-          raise DataError(f'{paths[lang]}:{i + 1}: invalid UTF-8 ({e.reason}); convert the '
-                          'file to UTF-8, e.g. `iconv -f LATIN1 -t UTF-8`.') from None
-      yield i * stride, texts
+    files = [stack.enter_context(open(path, 'rb')) for path in paths.values()]
+    lines = [itertools.chain.from_iterable(text_io.stream_lines(f.fileno(), name=f.name))
+             for f in files]
+    for i, texts in enumerate(zip(*lines)):
+      yield i * stride, dict(zip(paths, texts))
 
 
 def _sha256(path: str) -> str:
-  h = hashlib.sha256()
   with open(path, 'rb') as f:
-    for block in iter(lambda: f.read(1 << 20), b''):
-      h.update(block)
-  return h.hexdigest()
+    return hashlib.file_digest(f, 'sha256').hexdigest()
 
 
 def _fingerprint(folder: str, names: Sequence[str], *parts: str) -> str:
@@ -104,66 +91,60 @@ def _fingerprint(folder: str, names: Sequence[str], *parts: str) -> str:
   return h.hexdigest()[:16]
 
 
-def _text_info(builder, langs: Sequence[str], description: str, **kwargs) -> tfds.core.DatasetInfo:
-  return tfds.core.DatasetInfo(
-      builder=builder, description=description, disable_shuffling=True,  # Keep file order.
-      features=tfds.features.FeaturesDict({lang: tfds.features.Text() for lang in langs}),
-      **kwargs)
-
-
 # ----------------------------------------------------------------------------- TFDS builders
 
 
-class ParallelTextFolder(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Aligned `{split}.{lang}` text files in a folder; every split with all languages."""
+class AlignedText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
+  """A builder of aligned text files, one per language of each split, in file order."""
 
   VERSION = tfds.core.Version('2.0.0')
   RELEASE_NOTES = {'2.0.0': 'Prepared as array_record, files streamed.'}
   code_path = None  # No url checksums file (TFDS would look for one beside this module).
+  HOMEPAGE: str | None = None
+  langs: tuple[str, ...]  # Of each split; set by the subclass.
+
+  def _info(self) -> tfds.core.DatasetInfo:
+    return tfds.core.DatasetInfo(
+        builder=self, description=self.__doc__, homepage=self.HOMEPAGE,
+        disable_shuffling=True,  # Keep file order.
+        features=tfds.features.FeaturesDict({lang: tfds.features.Text() for lang in self.langs}))
+
+  def _generate_examples(self, paths: dict[str, str]):
+    return stream_pairs(paths)
+
+
+class ParallelTextFolder(AlignedText, skip_registration=True):
+  """Aligned `{split}.{lang}` text files in a folder; every split with all languages."""
 
   def __init__(self, *, folder: str, languages: Sequence[str], **kwargs: Any):
-    self.folder, self._langs = os.path.abspath(folder), tuple(languages)
+    self.folder, self.langs = os.path.abspath(folder), tuple(languages)
     if not os.path.isdir(self.folder):
       raise MissingDataError(f'{folder}: dataset folder not found (config.data.dataset_name '
                              "'folder:<dir>' must name a folder with train.en, train.de, ...).")
-    name = _fingerprint(self.folder, [f'{s}.{lang}' for s in self.splits() for lang in self._langs],
-                        *self._langs)
-    super().__init__(config=tfds.core.BuilderConfig(name='_'.join(self._langs) + '_' + name),
-                     **kwargs)
+    files = [f'{s}.{lang}' for s in self.splits() for lang in self.langs]
+    name = '_'.join(self.langs) + '_' + _fingerprint(self.folder, files, *self.langs)
+    super().__init__(config=tfds.core.BuilderConfig(name=name), **kwargs)
 
   def splits(self) -> list[str]:
     """File stems that exist for every language."""
     stems = [set(f[:-len(lang) - 1] for f in os.listdir(self.folder) if f.endswith('.' + lang))
-             for lang in self._langs]
+             for lang in self.langs]
     return sorted(set.intersection(*stems))
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return _text_info(self, self._langs, f'Aligned text files from {self.folder}.')
-
   def _split_generators(self, dl_manager):
-    if not self.splits():
-      raise MissingDataError(f'{self.folder}: no split has files for all of {self._langs} '
-                             '(expected e.g. train.en and train.de).')
-    return {s: self._generate_examples(self.folder, s, self._langs) for s in self.splits()}
-
-  def _generate_examples(self, folder: str, split: str, langs: Sequence[str]):
-    return stream_pairs(folder, split, langs)
+    return {s: self._generate_examples(check_files(self.folder, s, self.langs))
+            for s in self.splits()}
 
 
-class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
-  """Multi30k task 1 (Flickr30k captions), multi-way aligned en/de/fr.
+class Multi30k(AlignedText, skip_registration=True):
+  """Multi30k task 1 (Flickr30k captions), multi-way aligned en/de/fr: a local copy of the
+  unzipped release files when `local_dir` is given (no network; a file that differs from the
+  release is a warning; a fingerprint of the files names the builder config), else the gzip'd
+  originals, downloaded, gunzipped by TFDS and checked by sha256."""
 
-  Reads a local copy of the unzipped release files when `local_dir` is given (never touches
-  the network then; a file that differs from the release is a warning), else downloads the
-  gzip'd originals, gunzips them and checks their sha256. A local copy is prepared under a
-  builder config named by a fingerprint of its folder and files.
-  """
-
-  VERSION = tfds.core.Version('2.0.0')
-  RELEASE_NOTES = {'2.0.0': 'Prepared as array_record, files streamed.'}
-  code_path = None  # No url checksums file (TFDS would look for one beside this module).
+  HOMEPAGE = 'https://github.com/multi30k/dataset'
   SPLITS = ('train', 'val', 'test_2016_flickr')
-  LANGS = ('en', 'de', 'fr')
+  langs = ('en', 'de', 'fr')
   URL = 'https://github.com/multi30k/dataset/raw/master/data/task1/raw/{}.gz'
   SHA256 = {
       'train.en': '460a15fbd157e34a7a9957ee388c1ca247fe47af3ef25fb50442af6c274e0fc6',
@@ -182,23 +163,26 @@ class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     name = 'local_' + _fingerprint(local_dir, self.SHA256) if local_dir else 'release'
     super().__init__(config=tfds.core.BuilderConfig(name=name), **kwargs)
 
-  def _info(self) -> tfds.core.DatasetInfo:
-    return _text_info(self, self.LANGS, 'Multi30k task 1: image captions in en, de, fr.',
-                      homepage='https://github.com/multi30k/dataset')
-
   def _split_generators(self, dl_manager):
-    folder = self._local_dir or self._download(dl_manager)
-    missing = [f for f in self.SHA256 if not os.path.isfile(os.path.join(folder, f))]
+    local = self._local_dir
+    files = ({name: os.path.join(local, name) for name in self.SHA256} if local else
+             self._download(dl_manager))
+    missing = [name for name, path in files.items() if not os.path.isfile(path)]
     if missing:
       raise MissingDataError(
-          f'Multi30k local copy {folder} lacks {", ".join(missing)}. Put the unzipped task-1 '
+          f'Multi30k local copy {local} lacks {", ".join(missing)}. Put the unzipped task-1 '
           f'files {", ".join(self.SHA256)} there (from {self.URL.format("{split}.{lang}")}).')
-    for name, digest in self.SHA256.items():
-      if self._local_dir and _sha256(os.path.join(folder, name)) != digest:
-        logging.warning('%s differs from the Multi30k release file (sha256).', name)
-    return {s: self._generate_examples(folder, s, self.LANGS) for s in self.SPLITS}
+    changed = [name for name, digest in self.SHA256.items() if _sha256(files[name]) != digest]
+    if changed and not local:
+      raise DataError(f'{", ".join(changed)}: sha256 mismatch after gunzip of the download from '
+                      f'{self.URL.format("...")}; the download is corrupt or the release changed.')
+    for name in changed:
+      logging.warning('%s differs from the Multi30k release file (sha256).', name)
+    return {s: self._generate_examples({lang: files[f'{s}.{lang}'] for lang in self.langs})
+            for s in self.SPLITS}
 
-  def _download(self, dl_manager) -> str:
+  def _download(self, dl_manager) -> dict[str, str]:
+    """{name: path} of the release files, downloaded and gunzipped by TFDS."""
     try:
       # Fail fast offline: TFDS would otherwise retry each URL for minutes.
       socket.create_connection(('github.com', 443), timeout=15).close()
@@ -208,26 +192,14 @@ class Multi30k(tfds.core.GeneratorBasedBuilder, skip_registration=True):
           f'Could not download Multi30k ({e}). Offline: put the unzipped files '
           f'{", ".join(self.SHA256)} in a folder and set ${MULTI30K_ENV} or '
           'config.data.manual_dir to it.') from e
-    folder = os.path.join(dl_manager.download_dir, 'multi30k_task1_unzipped')
-    os.makedirs(folder, exist_ok=True)
-    for name, digest in self.SHA256.items():
-      out = os.path.join(folder, name)
-      with gzip.open(os.fspath(gz[name]), 'rb') as src, open(out, 'wb') as dst:
-        shutil.copyfileobj(src, dst)
-      if _sha256(out) != digest:
-        raise DataError(f'{out}: sha256 mismatch after gunzip of {self.URL.format(name)}; '
-                        'the download is corrupt or the release changed.')
-    return folder
-
-  def _generate_examples(self, folder: str, split: str, langs: Sequence[str]):
-    return stream_pairs(folder, split, langs)
+    # One file a call: TFDS's extractor deadlocks on more files than its threads (4 a core).
+    return {name: os.fspath(dl_manager.extract(path)) for name, path in gz.items()}
 
 
 def make_builder(config) -> tfds.core.DatasetBuilder:
   """The TFDS builder of config.data.dataset_name (`prepared_builder` prepares it)."""
-  data = config.data
+  data, name = config.data, config.data.dataset_name
   kwargs = {'data_dir': data.data_dir or None}
-  name = data.dataset_name
   if name.startswith('folder:'):
     return ParallelTextFolder(folder=name[len('folder:'):],
                               languages=(data.source_lang, data.target_lang), **kwargs)
@@ -256,17 +228,6 @@ def wait_for(what: str, ready: Callable[[], bool], process_index: int) -> None:
 
 
 @contextlib.contextmanager
-def _bounded_shuffler():
-  """TFDS's writer keeps MAX_MEM_BUFFER_SIZE of serialized records before spilling to disk."""
-  from tensorflow_datasets.core import shuffle
-  saved, shuffle.MAX_MEM_BUFFER_SIZE = shuffle.MAX_MEM_BUFFER_SIZE, PREPARE_BUFFER_BYTES
-  try:
-    yield
-  finally:
-    shuffle.MAX_MEM_BUFFER_SIZE = saved
-
-
-@contextlib.contextmanager
 def preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
   """Held while this process prepares `builder`: other processes of this machine that prepare
   it too (two runs started at once on one data_dir) wait, then find it prepared. A data_dir
@@ -285,43 +246,38 @@ def preparation_lock(builder: tfds.core.DatasetBuilder) -> Iterator[None]:
 
 
 def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuilder:
-  """The builder of config.data.dataset_name, prepared in its data_dir.
-
-  Process 0 downloads and prepares (once; later runs read the prepared copy), under
-  `preparation_lock`; the other processes of the run wait until it is prepared, so they never
-  write into the same data_dir at once.
-  """
+  """The builder of config.data.dataset_name, prepared in its data_dir: process 0 downloads
+  and prepares it once (later runs read it), under `preparation_lock`, with TFDS's writer keeping
+  PREPARE_BUFFER_BYTES of records in memory; the other processes wait until it is prepared."""
   builder, data = make_builder(config), config.data
   langs = list(builder.info.features.keys())  # Known before (a long) prepare.
   for lang in (data.source_lang, data.target_lang):
     if lang not in langs:
       raise DataError(f'Language {lang!r} not in {data.dataset_name!r} (has {langs}); '
                       'check config.data.source_lang / config.data.target_lang.')
-  if not builder.is_prepared() and process_index == 0:
+  if builder.is_prepared():
+    return builder
+  if process_index == 0:
+    from tensorflow_datasets.core import shuffle
     with preparation_lock(builder):
-      if builder.is_prepared():  # By another process, while this one waited for the lock.
-        return make_builder(config)
-      logging.info('Preparing %s in %s (once; later runs read it from there).',
-                   data.dataset_name, builder.data_dir)
-      with _bounded_shuffler():
-        builder.download_and_prepare(file_format='array_record')
-  elif not builder.is_prepared():
+      if not builder.is_prepared():  # Else another process prepared it while this one waited.
+        logging.info('Preparing %s in %s (once; later runs read it from there).',
+                     data.dataset_name, builder.data_dir)
+        with mock.patch.object(shuffle, 'MAX_MEM_BUFFER_SIZE', PREPARE_BUFFER_BYTES):
+          builder.download_and_prepare(file_format='array_record')
+  else:
     wait_for(f'{data.dataset_name} to be prepared in {builder.data_dir}', builder.is_prepared,
              process_index)
-    builder = make_builder(config)  # Reads the prepared copy's info (split sizes).
-  return builder
+  return make_builder(config)  # Reads the prepared copy's info (split sizes).
 
 
 # ----------------------------------------------------------------------------- reading
 
 
 class PairSource:
-  """Random access to a split's (source, target) texts as UTF-8 bytes.
-
-  Holds array_record's data source (file paths and ranges), not the builder, so it pickles
-  into Grain's worker processes. It reads in batches (`read`): one record at a time costs far
-  more per record.
-  """
+  """Random access to a split's (source, target) texts as UTF-8 bytes, read in batches (one
+  record at a time costs far more). Holds array_record's data source (file paths and ranges),
+  not the builder, so it pickles into Grain's worker processes."""
 
   def __init__(self, builder: tfds.core.DatasetBuilder, split: str, langs: tuple[str, str]):
     try:
@@ -345,22 +301,19 @@ class PairSource:
     indices = [int(i) for i in indices]
     records = (self._records.__getitems__(indices) if self._batched else
                [self._records[i] for i in indices])
-    pairs = []
-    for record in records:
-      feature = tf_example_pb2.Example.FromString(record).features.feature
-      pairs.append(tuple(b''.join(feature[lang].bytes_list.value) for lang in self._langs))
-    return pairs
+    features = [tf_example_pb2.Example.FromString(r).features.feature for r in records]
+    return [tuple(b''.join(f[lang].bytes_list.value) for lang in self._langs) for f in features]
 
 
 def open_split(config, split: str, *, process_index: int = 0) -> PairSource:
   """The (source, target) pairs of a split (or sub-split such as 'train[:10%]') of
   config.data.dataset_name, prepared first if need be (`prepared_builder`)."""
-  data = config.data
+  data, name = config.data, split.split('[')[0]
   builder = make_builder(config)
-  if isinstance(builder, ParallelTextFolder) and split.split('[')[0] not in builder.splits():
-    check_files(builder.folder, split.split('[')[0], (data.source_lang, data.target_lang))
+  if isinstance(builder, ParallelTextFolder) and name not in builder.splits():
+    check_files(builder.folder, name, builder.langs)  # Before preparing: names what is missing.
   builder = prepared_builder(config, process_index=process_index)
-  if split.split('[')[0] not in builder.info.splits:
+  if name not in builder.info.splits:
     raise MissingDataError(f'Split {split!r} not in {data.dataset_name!r}; available: '
                            f'{sorted(builder.info.splits)}.')
   return PairSource(builder, split, (data.source_lang, data.target_lang))

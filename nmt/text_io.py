@@ -64,7 +64,7 @@ def _is_utf8(data: bytes) -> bool:
 
 
 def stream_lines(fd: int, max_lines: int = 1024, name: str = 'stdin') -> Iterator[list[str]]:
-  """Lines of a pipe or terminal as they arrive, for interactive translation.
+  """Lines of a pipe, terminal or file as they arrive, for interactive translation.
 
   Each chunk holds at least one line: it waits for the first, then takes the complete lines
   already readable without waiting (at most `max_lines`). A last line without a newline

@@ -1,17 +1,16 @@
 """Packed training batches: one Grain pipeline per fixed shard of the train split.
 
 Shard s of S (`data.num_shards`) holds pairs s, s + S, ... of the split. Its pipeline shuffles
-them (Grain's index shuffle, reseeded each epoch), reads and tokenizes CHUNK of them at a time
-(`EncodeChunk`: BPE-dropout from the chunk's own generator; pairs with an empty side or longer
-than max_length dropped and counted), packs them best-fit into rows of max_length per side
-with segment ids and positions, and gives batch_size / S rows a step. Process p of P runs
+them anew each epoch, reads and tokenizes CHUNK at a time (`EncodeChunk`), packs them best-fit
+into rows of max_length per side and gives batch_size / S rows a step. Process p of P runs
 shards [p S / P, (p + 1) S / P); a step's global batch is every shard's rows in shard order, so
-it depends neither on P nor on `data.num_workers` (Grain worker processes, each running whole
-shard pipelines). The state is Grain's, per shard: it resumes on any P that divides S.
+it depends neither on P nor on `data.num_workers`. Its state, Grain's per shard, resumes on any
+P that divides S.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import weakref
 from typing import Any
@@ -50,7 +49,8 @@ class Settings:
 
 
 class EncodeChunk(grain.transforms.RandomMap):
-  """Shuffled local indices of a shard -> its surviving pairs' ids and the drop counts."""
+  """Shuffled local indices of a shard -> the token ids of its pairs that survive (BPE-dropout
+  from the chunk's own generator) and how many were dropped, per reason in DROPS."""
 
   def __init__(self, source: PairSource, shard: int, settings: Settings):
     self._source, self._shard, self._settings = source, shard, settings
@@ -63,21 +63,16 @@ class EncodeChunk(grain.transforms.RandomMap):
     settings = self._settings
     if self._tokenizer is None:
       self._tokenizer = load_tokenizer(settings.tokenizer_path)
-    counts = dict.fromkeys(DROPS, 0)
-    texts = []
+    decoded = []
     for pair in self._source.read(indices * settings.num_shards + self._shard):
-      try:
-        pair = [side.decode('utf-8').strip() for side in pair]
-      except UnicodeDecodeError:
-        counts['invalid'] += 1
-        continue
-      counts['empty'] += not all(pair)
-      texts += [pair] if all(pair) else []
+      with contextlib.suppress(UnicodeDecodeError):
+        decoded.append([side.decode('utf-8').strip() for side in pair])
+    texts = [pair for pair in decoded if all(pair)]
     ids = [self._tokenizer.encode([pair[side] for pair in texts], dropout=settings.bpe_dropout,
                                   rng=rng) for side in (0, 1)]
     fits = [(s, t) for s, t in zip(*ids) if max(len(s), len(t)) <= settings.max_length]
-    counts['long'] = len(texts) - len(fits)
-    return {'pairs': fits, 'read': len(indices), **counts}
+    return {'pairs': fits, 'read': len(indices), 'invalid': len(indices) - len(decoded),
+            'empty': len(decoded) - len(texts), 'long': len(texts) - len(fits)}
 
 
 class Unchunk(grain.experimental.FlatMapTransform):
@@ -140,20 +135,15 @@ def _concat(parts) -> dict[str, np.ndarray]:
 
 
 def _zip_state(state: dict[str, Any]) -> dict[str, Any]:
-  """The ZipIterDataset state inside a group iterator's state (the group's mp_prefetch or
-  thread prefetch wraps it)."""
-  while 'parents' not in state:
-    state = (state['iterators_in_use_states'][0] if 'iterators_in_use_states' in state
-             else state['parent'])
-  return state
+  """The ZipIterDataset state inside a group iterator's state: mp_prefetch holds it in its one
+  worker's 'iterators_in_use_states'; thread prefetch and map pass it through as it is."""
+  return state['iterators_in_use_states'][0] if 'iterators_in_use_states' in state else state
 
 
 class TrainIterator:
-  """This process's rows of each global batch: its shards' batches in shard order.
-
-  Its shards run in max(1, num_workers) contiguous groups, each a ZipIterDataset of the shards'
-  pipelines, in a Grain worker process or (num_workers 0) in a thread of this process.
-  """
+  """This process's rows of each global batch: its shards' batches in shard order. The shards
+  run in max(1, num_workers) contiguous groups, each a ZipIterDataset of the shards' pipelines,
+  in a Grain worker process or (num_workers 0) in a thread of this process."""
 
   def __init__(self, source: PairSource, settings: Settings, process_index: int = 0,
                process_count: int = 1):
@@ -162,16 +152,15 @@ class TrainIterator:
       raise DataError(f'data.num_shards={count} must divide data.batch_size='
                       f'{settings.batch_size} and be a multiple of the {process_count} processes.')
     self.settings, self.shards = settings, range(process_index * per, (process_index + 1) * per)
-    shards, groups = list(self.shards), max(1, min(settings.num_workers, len(self.shards)))
-    self._groups = [shards[g * len(shards) // groups:(g + 1) * len(shards) // groups]
-                    for g in range(groups)]
+    groups = max(1, min(settings.num_workers, per))
+    self._groups = [group.tolist() for group in np.array_split(self.shards, groups)]
+    if settings.num_workers and not flags.FLAGS.is_parsed():  # Grain reads its absl flags; a
+      flags.FLAGS.mark_as_parsed()  # library caller may never have parsed any (train.py has).
     self._iters = []
     for group in self._groups:
       ds = grain.experimental.ZipIterDataset(
           [shard_dataset(source, s, settings) for s in group]).map(_concat)
       if settings.num_workers:
-        if not flags.FLAGS.is_parsed():  # Grain reads its absl flags; a library caller may
-          flags.FLAGS.mark_as_parsed()  # never have parsed any (train.py has).
         ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=1, per_worker_buffer_size=2))
       else:
         ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
@@ -188,9 +177,8 @@ class TrainIterator:
   def get_state(self) -> dict[str, Any]:
     """{'num_shards': S, 'shards': {'s': Grain's state of shard s}} for this process's shards:
     after the batches returned so far. JSON-able."""
-    shards = {}
-    for group, it in zip(self._groups, self._iters):
-      shards.update(zip(map(str, group), _zip_state(it.get_state())['parents'], strict=True))
+    shards = {str(s): state for group, it in zip(self._groups, self._iters)
+              for s, state in zip(group, _zip_state(it.get_state())['parents'], strict=True)}
     return {'num_shards': self.settings.num_shards, 'shards': shards}
 
   def set_state(self, state: dict[str, Any]) -> None:
@@ -215,6 +203,5 @@ class TrainIterator:
 
 def _close(iterators: list) -> None:
   for it in iterators:
-    if hasattr(it, 'close'):
-      it.close()
+    it.close()
   iterators.clear()  # Deleted now, while Python is whole.

@@ -202,13 +202,12 @@ def test_only_process_0_trains_the_tokenizer_others_wait(small, tmp_path, monkey
       os.replace(tmp_path / 'partial', path)))
   writer.start()
   with caplog.at_level('INFO'):
-    waited = ip.load_or_train_tokenizer(config, str(tmp_path), process_index=1, process_count=2)
+    waited = ip.load_or_train_tokenizer(config, str(tmp_path), process_index=1)
   writer.join()
   assert waited.vocab_size == 1000 and 'Process 1 waits for' in caplog.text
   monkeypatch.setattr(data_sources, 'WAIT_TIMEOUT_SECONDS', 0.2)
   with pytest.raises(ip.DataError, match=r'Process 1 waited .* for .*nowhere.tokenizer\.model'):
-    ip.load_or_train_tokenizer(config, str(tmp_path / 'nowhere'), process_index=1,
-                               process_count=2)
+    ip.load_or_train_tokenizer(config, str(tmp_path / 'nowhere'), process_index=1)
 
 
 @needs_multi30k
@@ -227,7 +226,7 @@ def test_only_process_0_prepares_tfds_data_others_wait(small, tmp_path, monkeypa
                                name='process 0')
   process_0.start()
   time.sleep(0.1)
-  src, _ = ip.read_split(config, 'val', process_index=1, process_count=2)
+  src, _ = ip.read_split(config, 'val', process_index=1)
   process_0.join()
   assert preparers == ['process 0'] and len(src) == 100
 
@@ -773,7 +772,8 @@ def test_folder_preparation_streams_with_a_bounded_buffer(tmp_path, monkeypatch)
   folder = tmp_path / 'data'
   _write(folder, 'train.en', ['one', 'two', 'three'])
   _write(folder, 'train.de', ['eins', 'zwei', 'drei'])
-  keys = [key for key, _ in data_sources.stream_pairs(str(folder), 'train', ('en', 'de'))]
+  paths = data_sources.check_files(str(folder), 'train', ('en', 'de'))
+  keys = [key for key, _ in data_sources.stream_pairs(paths)]
   assert keys == sorted(keys) and keys[-1] > 2**126
   from tensorflow_datasets.core import shuffle
   buffers = []
