@@ -23,20 +23,15 @@ from nmt.text_io import DataError, MissingDataError  # noqa: F401
 from nmt.tokenizer import Tokenizer, load_tokenizer
 from nmt.train_pipeline import FEATURE_KEYS, Settings, TrainIterator  # noqa: F401
 
-READ_CHUNK_PAIRS = 8192
-
 
 def _texts(source: PairSource, indices: np.ndarray, name: str) -> list[tuple[str, str]]:
-  """The whitespace-stripped (source, target) texts of the pairs at `indices`, read
-  READ_CHUNK_PAIRS at a time."""
+  """The whitespace-stripped (source, target) texts of the pairs at `indices`."""
   pairs = []
-  for start in range(0, len(indices), READ_CHUNK_PAIRS):
-    chunk = indices[start:start + READ_CHUNK_PAIRS]
-    for index, pair in zip(chunk.tolist(), source.read(chunk)):
-      try:
-        pairs.append(tuple(side.decode('utf-8').strip() for side in pair))
-      except UnicodeDecodeError as e:
-        raise DataError(f'{name}: pair {index} is not valid UTF-8 ({e}).') from None
+  for index, pair in zip(indices.tolist(), source.read(indices)):
+    try:
+      pairs.append(tuple(side.decode('utf-8').strip() for side in pair))
+    except UnicodeDecodeError as e:
+      raise DataError(f'{name}: pair {index} is not valid UTF-8 ({e}).') from None
   return pairs
 
 

@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -27,23 +28,13 @@ from nmt import text_io
 from nmt.text_io import DataError, MissingDataError
 
 MULTI30K_ENV = 'MULTI30K_DIR'
-# How processes other than 0 wait for what process 0 makes (a tokenizer, prepared data):
-# downloading and preparing WMT14 alone can take hours; a process 0 that dies meanwhile ends
-# the job through JAX's heartbeat first.
+# How processes other than 0 wait for what process 0 makes (a tokenizer, prepared data; WMT14
+# takes hours to prepare): a process 0 that dies meanwhile ends the job by JAX's heartbeat.
 WAIT_POLL_SECONDS = 1.0
 WAIT_LOG_SECONDS = 30.0
 WAIT_TIMEOUT_SECONDS = 24 * 3600.0
 # Serialized records TFDS keeps in memory while preparing, before it spills them to files.
 PREPARE_BUFFER_BYTES = 64 << 20
-
-
-# ----------------------------------------------------------------------------- text files
-
-
-def _count_lines(path: str) -> int:
-  """Lines ending in '\n', and a last one without it (as `text_io.stream_lines` counts)."""
-  with open(path, 'rb') as f:
-    return sum(1 for _ in f)
 
 
 def check_files(folder: str, split: str, langs: Sequence[str]) -> dict[str, str]:
@@ -62,7 +53,10 @@ def stream_pairs(paths: dict[str, str]) -> Iterator[tuple[int, dict[str, str]]]:
   (`text_io.stream_lines`: UTF-8 errors name file and line). Keys increase with the line over
   TFDS's 128-bit key space: its shuffler spills records to files by key range, and small keys
   would all land in one, which it then sorts in memory."""
-  counts = {path: _count_lines(path) for path in paths.values()}
+  counts = {}
+  for path in paths.values():  # Lines as `text_io.stream_lines` counts them.
+    with open(path, 'rb') as f:
+      counts[path] = sum(1 for _ in f)
   if len(set(counts.values())) > 1:
     raise DataError(f'Line counts differ: {counts}. Files of a split must be aligned line '
                     'by line (line n of one translates line n of the other); fix the files.')
@@ -75,11 +69,6 @@ def stream_pairs(paths: dict[str, str]) -> Iterator[tuple[int, dict[str, str]]]:
       yield i * stride, dict(zip(paths, texts))
 
 
-def _sha256(path: str) -> str:
-  with open(path, 'rb') as f:
-    return hashlib.file_digest(f, 'sha256').hexdigest()
-
-
 def _fingerprint(folder: str, names: Sequence[str], *parts: str) -> str:
   """Of a folder's path and its files' sizes and modification times: editing the files makes
   another builder config name, so TFDS prepares a fresh copy."""
@@ -89,9 +78,6 @@ def _fingerprint(folder: str, names: Sequence[str], *parts: str) -> str:
     st = os.stat(path) if os.path.isfile(path) else None
     h.update(f'{name}:{st and st.st_size}:{st and st.st_mtime_ns}'.encode())
   return h.hexdigest()[:16]
-
-
-# ----------------------------------------------------------------------------- TFDS builders
 
 
 class AlignedText(tfds.core.GeneratorBasedBuilder, skip_registration=True):
@@ -172,7 +158,8 @@ class Multi30k(AlignedText, skip_registration=True):
       raise MissingDataError(
           f'Multi30k local copy {local} lacks {", ".join(missing)}. Put the unzipped task-1 '
           f'files {", ".join(self.SHA256)} there (from {self.URL.format("{split}.{lang}")}).')
-    changed = [name for name, digest in self.SHA256.items() if _sha256(files[name]) != digest]
+    changed = [name for name, digest in self.SHA256.items()
+               if hashlib.sha256(Path(files[name]).read_bytes()).hexdigest() != digest]
     if changed and not local:
       raise DataError(f'{", ".join(changed)}: sha256 mismatch after gunzip of the download from '
                       f'{self.URL.format("...")}; the download is corrupt or the release changed.')
@@ -269,9 +256,6 @@ def prepared_builder(config, *, process_index: int = 0) -> tfds.core.DatasetBuil
     wait_for(f'{data.dataset_name} to be prepared in {builder.data_dir}', builder.is_prepared,
              process_index)
   return make_builder(config)  # Reads the prepared copy's info (split sizes).
-
-
-# ----------------------------------------------------------------------------- reading
 
 
 class PairSource:
