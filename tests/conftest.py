@@ -11,11 +11,12 @@ import uuid
 
 # Multi-device tests run on fake CPU devices; this must happen before `import jax` anywhere.
 # The tests' programs are tiny and each is compiled for a few calls, so XLA's compile time is
-# most of the suite's: LLVM at optimization level 0 compiles them faster (BENCHMARKS.md).
-# XLA's graph passes are the same; results may differ from the default level's in rounding,
-# which every comparison here allows for (`decode.py`, `train.py` and the benchmarks keep
-# XLA's default level). The processes the tests start inherit the flags.
-TEST_XLA_FLAGS = '--xla_backend_optimization_level=0'
+# most of the suite's: LLVM at optimization level 0, and XLA:CPU's older fusion code generator
+# instead of its MLIR fusion emitters, compile them faster (BENCHMARKS.md, "CI suite").
+# XLA's graph passes are the same; results may differ from the defaults' in rounding, which
+# every comparison here allows for (`decode.py`, `train.py` and the benchmarks keep XLA's
+# defaults). The processes the tests start inherit the flags.
+TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
 os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}')
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
