@@ -1,7 +1,7 @@
-"""Test setup: 8 fake CPU devices (set before JAX is imported), the local Multi30k copy, one
-compilation cache and one TFDS folder for the whole run (shared by pytest-xdist's workers),
-fixtures built once per run, and, under CI=true, no skipped test: a test that skips there
-(its data missing, say) fails instead."""
+"""Test setup: 8 fake CPU devices in the test processes (one in the commands they start), the
+local Multi30k copy, one compilation cache and one TFDS folder for the whole run (shared by
+pytest-xdist's workers), fixtures built once per run, and, under CI=true, no skipped test: a
+test that skips there (its data missing, say) fails instead."""
 
 import os
 import pathlib
@@ -9,15 +9,14 @@ import shutil
 import tempfile
 import uuid
 
-# Multi-device tests run on fake CPU devices; this must happen before `import jax` anywhere.
 # The tests' programs are tiny and each is compiled for a few calls, so XLA's compile time is
 # most of the suite's: LLVM at optimization level 0, and XLA:CPU's older fusion code generator
 # instead of its MLIR fusion emitters, compile them faster (BENCHMARKS.md, "CI suite").
 # XLA's graph passes are the same; results may differ from the defaults' in rounding, which
 # every comparison here allows for (`decode.py`, `train.py` and the benchmarks keep XLA's
-# defaults). The processes the tests start inherit the flags.
+# defaults). The processes the tests start inherit the flags; set before `import jax` anywhere.
 TEST_XLA_FLAGS = '--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false'
-os.environ.setdefault('XLA_FLAGS', f'--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}')
+os.environ.setdefault('XLA_FLAGS', TEST_XLA_FLAGS)
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -43,7 +42,13 @@ os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.2')
 
 
 import filelock  # noqa: E402  (after the environment above, which must precede any jax import)
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Multi-device tests run on 8 fake CPU devices in the test processes. The commands the tests
+# start see one, as on a CPU machine (an 8-device mesh compiles and runs several times slower
+# there); tests that start commands on more devices say how many (tests/cluster_launcher.py).
+jax.config.update('jax_num_cpu_devices', 8)
 
 
 def built_once(name: str, build) -> str:
