@@ -28,12 +28,6 @@ from model.search import STOPPING_RULES, check_alpha
 from nmt import batching, console, sharding
 from nmt.tokenizer import Tokenizer
 
-# XLA:CPU's LLVM at optimization level 1 instead of 2 for the searches: the matrix products run
-# in their libraries either way, and a search compiles faster at the same speed (BENCHMARKS.md).
-# Other backends keep their defaults.
-_CPU_COMPILER_OPTIONS = {'xla_backend_optimization_level': 1}
-
-
 # Continuous batching (`model/cpu/continuous_batching.py`): sentences decoded at once, the most
 # empty slots refilled per step, and the most source positions one search's queue holds
 # (sentences x the longest source: a bound on its packed rows, whose cross-attention keys
@@ -158,7 +152,6 @@ class Translator:
     # batches before it run, so a call with several shapes waits for the first one only.
     self._programs: dict[Any, concurrent.futures.Future] = {}
     self._compiler = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix='compile')
-    self._on_cpu = mesh.devices.flat[0].platform == 'cpu'
 
   def _cancel_pending(self) -> None:
     """Drops the queued compiles that have not started (a started one runs to its end)."""
@@ -185,8 +178,7 @@ class Translator:
     """search traced, lowered and compiled for params and `shapes` (XLA's compilation cache,
     when set, keeps the compiled program for later processes)."""
     self.compiles += 1
-    options = _CPU_COMPILER_OPTIONS if self._on_cpu else None
-    return search.lower(params, *shapes, max_length=max_length).compile(options)
+    return search.lower(params, *shapes, max_length=max_length).compile()
 
   def _jobs(self, params: Any, sides: dict[str, list[np.ndarray]], prefixes: bool
             ) -> list[tuple[np.ndarray, concurrent.futures.Future, tuple, Any]]:
