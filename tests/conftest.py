@@ -46,8 +46,9 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 # Multi-device tests run on 8 fake CPU devices in the test processes. The commands the tests
-# start see one, as on a CPU machine (an 8-device mesh compiles and runs several times slower
-# there); tests that start commands on more devices say how many (tests/cluster_launcher.py).
+# start see one, as on a CPU machine (an 8-device mesh compiles and runs more slowly there: a
+# tiny train.py run took a third longer); tests that start commands on more devices say how
+# many (tests/cluster_launcher.py).
 jax.config.update('jax_num_cpu_devices', 8)
 
 
