@@ -66,8 +66,10 @@ SERVING_FILES = tuple(
                  'serving_page.html'))
 # The slot pool (`pool_*.jax`, CPU exports): sources up to POOL_WIDTH tokens; a step program
 # per pool size (the CPU decoding step needs a known number of rows), so that a pool holds about
-# as many slots as it has sentences.
+# as many slots as it has sentences; sentences start in the narrowest of POOL_START_WIDTHS that
+# holds them (the encoder's cost grows with its positions).
 POOL_WIDTH = 64
+POOL_START_WIDTHS = (16, 32, 64)
 POOL_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
@@ -170,24 +172,28 @@ def export_nbest_and_forced(model: Transformer, abstract_params: Any, buckets: l
 
 def export_slot_pool(model: Transformer, abstract_params: Any, settings: dict[str, Any],
                      max_length: int, output_dir: str, platform: str) -> dict[str, Any]:
-  """Writes `model.cpu.slot_pool`'s functions: pool_init.jax and pool_start.jax (symbolic
-  numbers of slots and of started sentences) and pool_step_{n}.jax for each n of POOL_SIZES;
-  returns their settings for the manifest: width (the longest source the pool takes), sizes
-  and max_length (of its translations)."""
+  """Writes `model.cpu.slot_pool`'s functions: pool_init.jax (a symbolic number of slots),
+  pool_start_{w}.jax for each start width w (a symbolic number of started sentences of up to w
+  tokens) and pool_step_{n}.jax for each n of POOL_SIZES; returns their settings for the
+  manifest: width (the longest source the pool takes), start_widths, sizes and max_length (of
+  its translations)."""
   width = min(POOL_WIDTH, model.config.max_len)
   length = min(width + settings['max_extra_length'], max_length)
   pool = slot_pool(model, settings, width, length)
   n, k = jax.export.symbolic_shape('slots, admitted')
   int32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
-  programs = [('pool_init', pool['init'], (int32(n),)),
-              ('pool_start', pool['start'], (abstract_params, int32(k, width)))]
+  start_widths = sorted({w for w in POOL_START_WIDTHS if w < width} | {width})
+  programs = [('pool_init', pool['init'], (int32(n),))]
+  programs += [(f'pool_start_{w}', pool['start'], (abstract_params, int32(k, w)))
+               for w in start_widths]
   programs += [(f'pool_step_{size}', pool['step'], (abstract_params, jax.eval_shape(
       pool['init'], int32(size)), int32())) for size in POOL_SIZES]
   for name, function, args in programs:
     exported = jax.export.export(jax.jit(function), platforms=(platform,))(*args)
     with open(os.path.join(output_dir, f'{name}.jax'), 'wb') as f:
       f.write(exported.serialize())
-  return {'width': width, 'sizes': list(POOL_SIZES), 'max_length': length}
+  return {'width': width, 'start_widths': start_widths, 'sizes': list(POOL_SIZES),
+          'max_length': length}
 
 
 def export_ctranslate2(workdir: str, params: Any, output_dir: str,

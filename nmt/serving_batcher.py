@@ -60,6 +60,7 @@ class SlotPool:
     self.translator = translator
     settings = translator.manifest['pool']
     self.width, self.sizes = settings['width'], settings['sizes']
+    self.start_widths = settings['start_widths']  # Encoder widths of admissions, ascending.
     self.steps = steps  # Search steps per call between admissions.
     self.owners: list[Any] = []  # Per slot: what its sentence belongs to, or None (free).
     self.state: Any = None
@@ -94,33 +95,37 @@ class SlotPool:
 
   def admit(self, items: list[tuple[Any, list[int]]], waiting: int = 0) -> None:
     """Sentences (owner, token ids ending in EOS) into free slots; the pool first grows to
-    hold them and `waiting` more."""
+    hold them and `waiting` more. They are encoded together, in the narrowest start width that
+    holds the longest."""
     self._resize(self.running + len(items) + waiting)
     free = [i for i, owner in enumerate(self.owners) if owner is None][:len(items)]
     if len(free) < len(items):
       raise ValueError(f'{len(items)} sentences for {len(free)} free slots')
     rows = batch_rows(len(items))
-    sources = np.full((rows, self.width), self.translator.pad_id, np.int32)
+    longest = max(len(tokens) for _, tokens in items)
+    width = next(w for w in self.start_widths if w >= longest)
+    sources = np.full((rows, width), self.translator.pad_id, np.int32)
     slots = np.full((rows,), len(self.owners), np.int32)  # Out of range: no slot.
     for row, ((owner, tokens), slot) in enumerate(zip(items, free)):
       sources[row, :len(tokens)] = tokens
       slots[row] = slot
       self.owners[slot] = owner
-    started = self.translator._call_tree('pool_start', sources)
+    started = self.translator._call_tree(f'pool_start_{width}', sources)
     self.state = _put_slots(self.state, started, jnp.asarray(slots))
     self.admissions += 1
     self.admitted += len(items)
 
   def warm_up(self) -> None:
     """Compiles what the pool can run (every size's step, starts of 1, 2, 4, ... sentences
-    and putting them into each size, growing and shrinking it from each size to each other),
-    so that no request waits for a compile."""
+    in each start width and putting them into each size, growing and shrinking it from each
+    size to each other), so that no request waits for a compile."""
     init = lambda size: self.translator._call_tree('pool_init', np.zeros((size,), np.int32))
     for size in self.sizes:
       state = init(size)
       for rows in (1 << i for i in range(size.bit_length())):
-        started = self.translator._call_tree(
-            'pool_start', np.full((rows, self.width), self.translator.pad_id, np.int32))
+        for width in self.start_widths:
+          started = self.translator._call_tree(
+              f'pool_start_{width}', np.full((rows, width), self.translator.pad_id, np.int32))
         state = _put_slots(state, started, jnp.arange(rows, dtype=jnp.int32))
       state = self.translator._call_tree(f'pool_step_{size}', state, np.int32(1))
       for other in self.sizes:

@@ -69,8 +69,9 @@ class ExportedTranslator:
     # exported before them translate but give no details.
     self.forced_lengths = {int(b): n for b, n in (self.manifest.get('forced') or {}).items()}
     self.has_details = bool(self.forced_lengths) and 'nbest' in self.manifest
-    # The slot pool (`model/cpu/slot_pool.py`, CPU exports): the HTTP server's continuous batching.
-    self.has_pool = bool(self.manifest.get('pool'))
+    # The slot pool (`model/cpu/slot_pool.py`, CPU exports): the HTTP server's continuous
+    # batching (folders exported before its start widths translate in batches).
+    self.has_pool = 'start_widths' in (self.manifest.get('pool') or {})
     # The programs run only on the platform they were exported for: refuse here, not at the
     # first translation.
     exported_for, platform = self.manifest['platform'], jax.export.default_export_platform()
@@ -83,7 +84,8 @@ class ExportedTranslator:
     if self.has_details:
       files += [f'{name}_{b}.jax' for b in self.buckets for name in ('nbest', 'forced')]
     if self.has_pool:
-      files += ['pool_init.jax', 'pool_start.jax']
+      files += ['pool_init.jax']
+      files += [f'pool_start_{w}.jax' for w in self.manifest['pool']['start_widths']]
       files += [f'pool_step_{n}.jax' for n in self.manifest['pool']['sizes']]
     missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
     if missing:

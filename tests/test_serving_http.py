@@ -246,6 +246,15 @@ def test_pool_translates_as_decode(serving_module, translator):
   sizes = []
   original = batcher.pool.step
   batcher.pool.step = lambda: (sizes.append(len(batcher.pool.owners)), original())[1]
+  starts = []  # (start width, the longest admitted sentence's tokens) per admission.
+  call_tree = translator._call_tree
+
+  def record(name, *args):
+    if name.startswith('pool_start_'):
+      starts.append((int(name.rsplit('_', 1)[1]), int((args[0] != translator.pad_id).sum(1).max())))
+    return call_tree(name, *args)
+
+  translator._call_tree = record
   try:
     results = []
     for start, end in ((0, 30), (30, 32), (32, len(lines))):
@@ -265,7 +274,13 @@ def test_pool_translates_as_decode(serving_module, translator):
     top = sizes.index(max(sizes))
     low = top + sizes[top:].index(min(sizes[top:]))
     assert max(sizes) >= 16 and sizes[low] <= 4 and max(sizes[low:]) >= 8, sizes
+    # Each admission is encoded in the narrowest start width that holds its longest sentence,
+    # and both narrow starts (padded to the pool's width) and wider ones translated above.
+    widths = batcher.pool.start_widths
+    assert all(width == min(w for w in widths if w >= longest) for width, longest in starts)
+    assert len({width for width, _ in starts}) >= 2, (starts, widths)
   finally:
+    translator._call_tree = call_tree
     batcher.stop()
 
 

@@ -26,12 +26,13 @@ def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
   """Four plain functions over a pool of slots, for a model on the CPU decoding path:
 
     init(slots [n] int32) -> state: n empty slots (only the shape of `slots` is read);
-    admit(params, state, sources [k, width] int32, slot [k] int32) -> state: sentence i (EOS
-      included, PAD_ID-padded) is encoded into slot[i] (an index >= n: none);
+    admit(params, state, sources [k, w] int32, slot [k] int32) -> state: sentence i (EOS
+      included, PAD_ID-padded to any w <= width) is encoded into slot[i] (an index >= n:
+      none); the encoder runs on w positions, so short sentences cost a short encoding;
     step(params, state, steps int32 scalar) -> state: up to `steps` beam-search steps of every
       running slot (fewer once all are done). A slot whose sentence ended has done True and its
       result in fin_seqs [n, 1, max_length] and fin_scores [n, 1] until it is admitted again;
-    start(params, sources [k, width] int32) -> the state of k slots running these sentences
+    start(params, sources [k, w] int32) -> the state of k slots running these sentences
       (`admit` into `init`): a caller puts them into free slots of its pool.
 
   `settings`: beam_size, alpha, max_extra_length, stopping and min_length, as the run's
@@ -49,11 +50,16 @@ def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
     return empty_slots(config, slots.shape[0], width, beam, max_length, nbest=1)
 
   def admit(params: Any, state: dict[str, Any], sources: Array, slot: Array) -> dict[str, Any]:
+    if sources.shape[1] > width:
+      raise ValueError(f'sources of {sources.shape[1]} positions for a pool {width} wide.')
     encode = lambda m, x: m.decoder.cross_keys_values(m.encode(x))
     cross = model.apply({'params': params}, sources, method=encode)
     lengths = jnp.sum(sources != PAD_ID, axis=1, dtype=jnp.int32)
     limits = jnp.minimum(jnp.where(lengths > 0, lengths + extra, 1), max_length)
-    return start_slots(state, slot, cross, sources != PAD_ID, limits)
+    # The pool's positions past w: masked, their keys and values zeros.
+    pad = lambda x: jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+    cross = [(pad(keys), pad(values)) for keys, values in cross]
+    return start_slots(state, slot, cross, pad(sources != PAD_ID), limits)
 
   def step(params: Any, state: dict[str, Any], steps: Array) -> dict[str, Any]:
     variables = {'params': params}
