@@ -174,20 +174,24 @@ def export_slot_pool(model: Transformer, abstract_params: Any, settings: dict[st
                      max_length: int, output_dir: str, platform: str) -> dict[str, Any]:
   """Writes `model.cpu.slot_pool`'s functions: pool_init.jax (a symbolic number of slots),
   pool_start_{w}.jax for each start width w (a symbolic number of started sentences of up to w
-  tokens) and pool_step_{n}.jax for each n of POOL_SIZES; returns their settings for the
-  manifest: width (the longest source the pool takes), start_widths, sizes and max_length (of
-  its translations)."""
+  tokens), and pool_put_{n}.jax and pool_step_{n}.jax for each n of POOL_SIZES; returns their
+  settings for the manifest: width (the longest source the pool takes), start_widths, sizes
+  and max_length (of its translations)."""
   width = min(POOL_WIDTH, model.config.max_len)
   length = min(width + settings['max_extra_length'], max_length)
   pool = slot_pool(model, settings, width, length)
   n, k = jax.export.symbolic_shape('slots, admitted')
   int32 = lambda *shape: jax.ShapeDtypeStruct(shape, np.int32)
   start_widths = sorted({w for w in POOL_START_WIDTHS if w < width} | {width})
+  started = jax.eval_shape(pool['start'], abstract_params, int32(k, width))
+  state = lambda size: jax.eval_shape(pool['init'], int32(size))
   programs = [('pool_init', pool['init'], (int32(n),))]
   programs += [(f'pool_start_{w}', pool['start'], (abstract_params, int32(k, w)))
                for w in start_widths]
-  programs += [(f'pool_step_{size}', pool['step'], (abstract_params, jax.eval_shape(
-      pool['init'], int32(size)), int32())) for size in POOL_SIZES]
+  programs += [(f'pool_put_{size}', pool['put'], (state(size), started, int32(k)))
+               for size in POOL_SIZES]
+  programs += [(f'pool_step_{size}', pool['step'], (abstract_params, state(size), int32()))
+               for size in POOL_SIZES]
   for name, function, args in programs:
     exported = jax.export.export(jax.jit(function), platforms=(platform,))(*args)
     with open(os.path.join(output_dir, f'{name}.jax'), 'wb') as f:

@@ -29,12 +29,6 @@ class Busy(Exception):
 # The slot pool's state as a whole, each operation one compiled program per shape (one
 # operation per leaf, dispatched one by one, stalled the server for seconds at a new size).
 @functools.partial(jax.jit, donate_argnums=0)
-def _put_slots(state: Any, started: Any, slots: jax.Array) -> Any:
-  """`state` with slots[i] replaced by slot i of `started` (an index past the pool: none)."""
-  return jax.tree_util.tree_map(lambda a, b: a.at[slots].set(b, mode='drop'), state, started)
-
-
-@functools.partial(jax.jit, donate_argnums=0)
 def _concatenate_slots(state: Any, extra: Any) -> Any:
   """The slots of `state`, then those of `extra`."""
   return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), state, extra)
@@ -111,7 +105,8 @@ class SlotPool:
       slots[row] = slot
       self.owners[slot] = owner
     started = self.translator._call_tree(f'pool_start_{width}', sources)
-    self.state = _put_slots(self.state, started, jnp.asarray(slots))
+    self.state = self.translator._call_tree(f'pool_put_{len(self.owners)}', self.state, started,
+                                            slots)
     self.admissions += 1
     self.admitted += len(items)
 
@@ -126,7 +121,8 @@ class SlotPool:
         for width in self.start_widths:
           started = self.translator._call_tree(
               f'pool_start_{width}', np.full((rows, width), self.translator.pad_id, np.int32))
-        state = _put_slots(state, started, jnp.arange(rows, dtype=jnp.int32))
+        state = self.translator._call_tree(f'pool_put_{size}', state, started,
+                                           np.arange(rows, dtype=np.int32))
       state = self.translator._call_tree(f'pool_step_{size}', state, np.int32(1))
       for other in self.sizes:
         if other > size:

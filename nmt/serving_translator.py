@@ -86,7 +86,8 @@ class ExportedTranslator:
     if self.has_pool:
       files += ['pool_init.jax']
       files += [f'pool_start_{w}.jax' for w in self.manifest['pool']['start_widths']]
-      files += [f'pool_step_{n}.jax' for n in self.manifest['pool']['sizes']]
+      files += [f'pool_{name}_{n}.jax' for n in self.manifest['pool']['sizes']
+                for name in ('put', 'step')]
     missing = [name for name in files if not os.path.isfile(os.path.join(folder, name))]
     if missing:
       raise FileNotFoundError(f'{folder} lacks {", ".join(missing)}: copy the whole folder '
@@ -131,15 +132,15 @@ class ExportedTranslator:
     return sum(len(x) for text, x in zip(sources, self.encode(sources)) if text.strip())
 
   def _call_tree(self, name: str, *args: Any) -> Any:
-    """The slot pool's program `name` on the parameters (but pool_init) and `args` (pytrees;
-    a step consumes the state it is given: its buffers are reused); the results stay on the
-    device."""
+    """The slot pool's program `name` on `args` (pytrees), after the parameters for those that
+    read them (start and step); the results stay on the device. A put or step consumes the
+    pool state it is given (its buffers are reused)."""
     self.searches += 1
     if name not in self._jitted:  # Jitted once: a call of its compiled program is cheap.
       program = self._program(name)
-      self._jitted[name] = jax.jit(program.call,
-                                   donate_argnums=1 if name.startswith('pool_step') else ())
-    if name == 'pool_init':
+      donate = {'pool_step': 1, 'pool_put': 0}.get(name.rsplit('_', 1)[0], ())
+      self._jitted[name] = jax.jit(program.call, donate_argnums=donate)
+    if name == 'pool_init' or name.startswith('pool_put'):
       return self._jitted[name](*args)
     return self._jitted[name](self._params, *args)
 

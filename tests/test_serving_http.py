@@ -295,7 +295,7 @@ def test_pool_warm_up_compiles_what_requests_run(serving_module, translator):
   try:
     pool.warm_up()
     batcher_module = serving_module.serving_batcher
-    jitted = [batcher_module._put_slots, batcher_module._concatenate_slots,
+    jitted = [batcher_module._concatenate_slots,
               batcher_module._take_slots, *translator._jitted.values()]
     compiled = [f._cache_size() for f in jitted]
     results = [batcher.submit(lines[:3]), batcher.submit(lines[3:])]

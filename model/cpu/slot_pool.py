@@ -23,17 +23,20 @@ Array = jax.Array
 
 def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
               max_length: int) -> dict[str, Any]:
-  """Four plain functions over a pool of slots, for a model on the CPU decoding path:
+  """Five plain functions over a pool of slots, for a model on the CPU decoding path:
 
     init(slots [n] int32) -> state: n empty slots (only the shape of `slots` is read);
-    admit(params, state, sources [k, w] int32, slot [k] int32) -> state: sentence i (EOS
-      included, PAD_ID-padded to any w <= width) is encoded into slot[i] (an index >= n:
-      none); the encoder runs on w positions, so short sentences cost a short encoding;
+    start(params, sources [k, w] int32) -> started: k sentences (EOS included, PAD_ID-padded
+      to any w <= width) encoded on w positions, so short sentences cost a short encoding:
+      {'cross': per decoder layer (keys, values) [k, width, heads, head_dim], 'encoder_mask'
+      [k, width] bool, 'limits' [k] int32}, padded to the pool's width;
+    put(state, started, slot [k] int32) -> state: started sentence i runs in slot[i] (an index
+      >= n: none). Only what a start sets is written (not the slots' self-attention cache,
+      which a sentence fills before it reads it);
+    admit(params, state, sources [k, w] int32, slot [k] int32) -> state: `put` of `start`;
     step(params, state, steps int32 scalar) -> state: up to `steps` beam-search steps of every
       running slot (fewer once all are done). A slot whose sentence ended has done True and its
-      result in fin_seqs [n, 1, max_length] and fin_scores [n, 1] until it is admitted again;
-    start(params, sources [k, w] int32) -> the state of k slots running these sentences
-      (`admit` into `init`): a caller puts them into free slots of its pool.
+      result in fin_seqs [n, 1, max_length] and fin_scores [n, 1] until it is admitted again.
 
   `settings`: beam_size, alpha, max_extra_length, stopping and min_length, as the run's
   decode config. Every leaf of the state has the slots on axis 0, so a caller may take,
@@ -49,17 +52,24 @@ def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
   def init(slots: Array) -> dict[str, Any]:
     return empty_slots(config, slots.shape[0], width, beam, max_length, nbest=1)
 
-  def admit(params: Any, state: dict[str, Any], sources: Array, slot: Array) -> dict[str, Any]:
+  def start(params: Any, sources: Array) -> dict[str, Any]:
     if sources.shape[1] > width:
       raise ValueError(f'sources of {sources.shape[1]} positions for a pool {width} wide.')
     encode = lambda m, x: m.decoder.cross_keys_values(m.encode(x))
     cross = model.apply({'params': params}, sources, method=encode)
     lengths = jnp.sum(sources != PAD_ID, axis=1, dtype=jnp.int32)
-    limits = jnp.minimum(jnp.where(lengths > 0, lengths + extra, 1), max_length)
     # The pool's positions past w: masked, their keys and values zeros.
     pad = lambda x: jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-    cross = [(pad(keys), pad(values)) for keys, values in cross]
-    return start_slots(state, slot, cross, pad(sources != PAD_ID), limits)
+    return {'cross': [(pad(keys), pad(values)) for keys, values in cross],
+            'encoder_mask': pad(sources != PAD_ID),
+            'limits': jnp.minimum(jnp.where(lengths > 0, lengths + extra, 1), max_length)}
+
+  def put(state: dict[str, Any], started: dict[str, Any], slot: Array) -> dict[str, Any]:
+    return start_slots(state, slot, started['cross'], started['encoder_mask'],
+                       started['limits'])
+
+  def admit(params: Any, state: dict[str, Any], sources: Array, slot: Array) -> dict[str, Any]:
+    return put(state, start(params, sources), slot)
 
   def step(params: Any, state: dict[str, Any], steps: Array) -> dict[str, Any]:
     variables = {'params': params}
@@ -67,8 +77,4 @@ def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
     cond = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1]['done'])
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
-  def start(params: Any, sources: Array) -> dict[str, Any]:
-    k = sources.shape[0]
-    return admit(params, init(sources[:, 0]), sources, jnp.arange(k, dtype=jnp.int32))
-
-  return {'init': init, 'admit': admit, 'step': step, 'start': start}
+  return {'init': init, 'start': start, 'put': put, 'admit': admit, 'step': step}
