@@ -3,22 +3,26 @@ against decode.py's batch throughput on the same sentences and a one-request-at-
 
     python -m benchmarks.serving_load --model EXPORTED --workdir RUN --checkpoint averaged \
         --sentences test_2016_flickr.en --baseline_serving OLD_SERVING_PY \
-        [--clients 1,8,32] [--seconds 60] [--soak_minutes 10] --output results.json
+        [--clients 1,8,32] [--seconds 60] [--rounds 2] [--soak_minutes 10] --output results.json
 
 Steps, one at a time on the same machine:
   1. decode.py on --sentences (its own process, a scratch compilation cache): its translations
      are the reference every response is checked against; its logged sentences/s, and
      decode.py's Translator called twice in one process (the second call: warm programs, the
      batch throughput the servers are compared with).
-  2. Per server (the batched `serving.py` of --model with --warmup, with --no_pool also
+  2. The servers (the batched `serving.py` of --model with --warmup, with --no_pool also
      without its slot pool, and --baseline_serving, e.g. the one-at-a-time server from
-     `git show 5c73c73:serving.py`), started on a free port: every
-     (bucket, batch rows) shape the clients can cause is compiled first (requests of 1, 2,
-     4, ... sentences of one bucket), then per client count a warm-up of --warmup_seconds and
-     --seconds measured. Each client sends one-sentence requests in a loop, the sentences
-     taken in turn from --sentences. Per level: requests/s, sentences/s, latency p50/p95/p99,
-     errors (a failed request or a status other than 200) and mismatches (a translation other
-     than decode.py's), and from /health the batches and searches the server ran.
+     `git show 5c73c73:serving.py`), each started on a free port, all running at once (an
+     idle one takes no CPU): every (bucket, batch rows) shape the clients can cause is
+     compiled first (requests of 1, 2, 4, ... sentences of one bucket). Then --rounds
+     rounds, each: decode.py's batch throughput again (but in the first), and per server
+     (their order reversed every other round) per client count a warm-up of
+     --warmup_seconds and --seconds measured. Each client sends one-sentence requests in a
+     loop, the sentences taken in turn from --sentences. Per level: requests/s, sentences/s,
+     latency p50/p95/p99, errors (a failed request or a status other than 200) and
+     mismatches (a translation other than decode.py's), and from /health the batches and
+     searches the server ran. Each round's ratios use only numbers measured in that round
+     (a machine's speed drifts over minutes); the JSON's ratios are their medians.
   3. A soak of the batched server: --soak_clients clients for --soak_minutes, its resident
      memory (VmRSS) sampled every --sample_seconds; growth is the median of the last minute
      over the median of the second minute (the first is warm-up).
@@ -114,6 +118,17 @@ def reference_translations(args: argparse.Namespace, scratch: str) -> dict[str, 
     rates.append(float(logged[-1][2]))
   with open(output, encoding='utf-8') as f:
     translations = f.read().split('\n')[:-1]
+  steady = batch_throughput(args, scratch)
+  equal = steady.pop('translations') == translations
+  return {'sentences': len(translations), 'translations': translations,
+          'decode_py_logged_sentences_per_s': rates, **steady,
+          'translator_equals_decode_py': equal}
+
+
+def batch_throughput(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
+  """decode.py's Translator called twice in one process on args.sentences: the second call's
+  sentences/s (warm programs) is the batch throughput the servers are compared with."""
+  env = {**os.environ, 'JAX_COMPILATION_CACHE_DIR': os.path.join(scratch, 'decode_cache')}
   steady = os.path.join(scratch, 'steady.json')
   result = subprocess.run([sys.executable, '-c', STEADY, args.workdir, args.checkpoint or '',
                            args.sentences, steady], cwd=REPO, env=env, capture_output=True,
@@ -122,14 +137,10 @@ def reference_translations(args: argparse.Namespace, scratch: str) -> dict[str, 
     raise RuntimeError(f'the in-process Translator failed: {result.stderr.decode()[-2000:]}')
   with open(steady, encoding='utf-8') as f:
     steady = json.load(f)
-  count = len(translations)
-  return {
-      'sentences': count, 'translations': translations,
-      'decode_py_logged_sentences_per_s': rates,
-      'translator_first_call_s': steady['first_call_s'],
-      'translator_second_call_s': steady['second_call_s'],
-      'batch_sentences_per_s': count / steady['second_call_s'],
-      'translator_equals_decode_py': steady['translations'] == translations}
+  return {'translator_first_call_s': steady['first_call_s'],
+          'translator_second_call_s': steady['second_call_s'],
+          'batch_sentences_per_s': len(steady['translations']) / steady['second_call_s'],
+          'translations': steady['translations']}
 
 
 class Server:
@@ -324,6 +335,17 @@ def sigterm_under_load(server: Server, sentences: list[str], expected: list[str]
           'log_says_every_request_answered': 'Stopped: every request begun was answered' in log}
 
 
+def ratios(levels: dict[str, dict[str, Any]], batch: float, top: str) -> dict[str, float]:
+  """One round's ratios at `top` clients: the batched server against decode.py's batch
+  throughput and against the one-at-a-time server."""
+  batched = levels['batched'][top]['sentences_per_s']
+  result = {f'batched_{top}_clients_vs_decode_batch': batched / batch}
+  if 'one_at_a_time' in levels:
+    result[f'batched_vs_one_at_a_time_{top}_clients'] = (
+        batched / levels['one_at_a_time'][top]['sentences_per_s'])
+  return result
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--model', required=True, help='a folder of export.py --format jax')
@@ -336,6 +358,8 @@ def main(argv: list[str] | None = None) -> None:
                       help='also measure the batched server without its slot pool (--no_pool)')
   parser.add_argument('--clients', default='1,8,32')
   parser.add_argument('--seconds', type=float, default=60)
+  parser.add_argument('--rounds', type=int, default=2,
+                      help="rounds of decode.py's batch throughput and every server's levels")
   parser.add_argument('--warmup_seconds', type=float, default=10)
   parser.add_argument('--soak_minutes', type=float, default=10)
   parser.add_argument('--soak_clients', type=int, default=8)
@@ -368,20 +392,41 @@ def main(argv: list[str] | None = None) -> None:
     servers['batched_without_pool'] = (batched, ['--no_pool'])
   if args.baseline_serving:
     servers['one_at_a_time'] = (args.baseline_serving, [])
+  # Every server runs from the start; each round measures decode.py's batch throughput, then
+  # each server at each client count (the servers' order reversed every other round), so that
+  # the ratios compare numbers taken minutes apart on a machine whose speed drifts.
   results['servers'] = {}
-  for name, (serving_py, extra) in servers.items():
-    started = time.monotonic()
-    server = Server(serving_py, args.model, os.path.join(scratch, f'{name}.log'), extra)
-    try:
-      levels = {'start_s': time.monotonic() - started, 'compile_shapes_s': compile_shapes(
-          server, sentences, lengths, manifest['buckets'], manifest['batch_tokens'],
-          1 << (max(clients) - 1).bit_length())}
-      for count in clients:
-        load(server, sentences, expected, count, args.warmup_seconds, start_index=count)
-        levels[str(count)] = load(server, sentences, expected, count, args.seconds)
-        print(name, json.dumps(levels[str(count)]), file=sys.stderr, flush=True)
-      results['servers'][name] = levels
-    finally:
+  running: dict[str, Server] = {}
+  try:
+    for name, (serving_py, extra) in servers.items():
+      started = time.monotonic()
+      running[name] = Server(serving_py, args.model, os.path.join(scratch, f'{name}.log'), extra)
+      results['servers'][name] = {
+          'start_s': time.monotonic() - started, 'compile_shapes_s': compile_shapes(
+              running[name], sentences, lengths, manifest['buckets'], manifest['batch_tokens'],
+              1 << (max(clients) - 1).bit_length()), 'rounds': []}
+    results['rounds'] = []
+    for round_index in range(args.rounds):
+      batch = (reference['batch_sentences_per_s'] if round_index == 0 else
+               batch_throughput(args, scratch)['batch_sentences_per_s'])
+      names = list(servers) if round_index % 2 == 0 else list(reversed(servers))
+      levels: dict[str, dict[str, Any]] = {}
+      for name in names:
+        levels[name] = {}
+        for count in clients:
+          load(running[name], sentences, expected, count, args.warmup_seconds,
+               start_index=count)
+          levels[name][str(count)] = load(running[name], sentences, expected, count,
+                                          args.seconds)
+          print(f'round {round_index + 1}', name, json.dumps(levels[name][str(count)]),
+                file=sys.stderr, flush=True)
+        results['servers'][name]['rounds'].append(levels[name])
+      results['rounds'].append({'decode_batch_sentences_per_s': batch,
+                                'ratios': ratios(levels, batch, str(max(clients)))})
+      print(f'round {round_index + 1}', json.dumps(results['rounds'][-1]), file=sys.stderr,
+            flush=True)
+  finally:
+    for server in running.values():
       server.stop()
   if args.soak_minutes > 0:
     server = Server(batched, args.model, os.path.join(scratch, 'soak.log'), ['--warmup'])
@@ -413,15 +458,9 @@ def main(argv: list[str] | None = None) -> None:
     finally:
       server.stop()
     print('sigterm', json.dumps(results['sigterm']), file=sys.stderr, flush=True)
-  batched = results['servers']['batched']
-  top = str(max(clients))
-  results['ratios'] = {
-      f'batched_{top}_clients_vs_decode_batch': batched[top]['sentences_per_s']
-      / reference['batch_sentences_per_s']}
-  if 'one_at_a_time' in results['servers']:
-    old = results['servers']['one_at_a_time']
-    results['ratios'][f'batched_vs_one_at_a_time_{top}_clients'] = (
-        batched[top]['sentences_per_s'] / old[top]['sentences_per_s'])
+  # Each ratio's median over the rounds (each round's ratio of numbers measured in it).
+  results['ratios'] = {name: statistics.median(r['ratios'][name] for r in results['rounds'])
+                       for name in results['rounds'][0]['ratios']}
   text = json.dumps(results, indent=2)
   if args.output:
     with open(args.output, 'w', encoding='utf-8') as f:
