@@ -229,6 +229,9 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
         f'run has activation {config.activation!r}, attention_probs {config.attention_probs!r}, '
         f'attention_score {config.attention_score!r}, linear_attention '
         f'{config.linear_attention}.')
+  if config.norm != 'layer':
+    raise ValueError(f"CTranslate2's Transformer normalises with LayerNorm; this run has "
+                     f"norm {config.norm!r}: export it with --format jax.")
   specs = ctranslate2.specs
   spec = specs.TransformerSpec.from_config(
       (config.num_encoder_layers, config.num_decoder_layers), config.num_heads,

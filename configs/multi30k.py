@@ -61,6 +61,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.model.max_len = 256  # Longest sequence the positional table covers.
   config.model.share_embeddings = True
   config.model.pre_norm = False
+  config.model.norm = 'layer'  # Or 'scale' (ScaleNorm), with pre_norm.
   config.model.positional = 'sinusoidal'
   config.model.activation = 'relu'
   config.model.attention_probs = 'softmax'  # Or 'sparsemax', 'entmax15'.
@@ -85,6 +86,9 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.optimizer.weight_decay = 0.0
   config.optimizer.grad_clip_norm = 0.0  # 0 = no clipping.
   config.optimizer.label_smoothing = 0.1
+  # R-Drop (nmt/optimization.py): > 0 adds this weight times the two dropout passes' KL;
+  # every step then runs the model twice.
+  config.optimizer.rdrop_alpha = 0.0
   config.optimizer.grad_accum_steps = 1
   config.optimizer.max_consecutive_nonfinite = 10
   # Exponential moving average of the parameters (0 = none), e.g. 0.999: checkpointed with

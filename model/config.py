@@ -42,6 +42,9 @@ class TransformerConfig:
   max_len: int = 256  # Longest sequence (per segment) the positional encoding covers.
   share_embeddings: bool = True  # Source, target and output projection share one matrix.
   pre_norm: bool = False  # False: the paper's post-LN; True: LayerNorm before each sub-layer.
+  # 'layer' (LayerNorm, the paper) or 'scale': ScaleNorm, g * x / ||x|| with one learned g
+  # (Nguyen & Salazar 2019, "Transformers without Tears"; they pair it with pre_norm).
+  norm: str = 'layer'
   positional: str = 'sinusoidal'  # 'sinusoidal' (the paper) or 'learned'.
   activation: str = 'relu'
   attention_probs: str = 'softmax'  # A key of ATTENTION_PROBS.
@@ -66,6 +69,8 @@ class TransformerConfig:
       object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
+    if self.norm not in ('layer', 'scale'):
+      raise ValueError(f"norm must be 'layer' or 'scale', got {self.norm!r}.")
     if self.positional not in ('sinusoidal', 'learned'):
       raise ValueError(f"positional must be 'sinusoidal' or 'learned', got {self.positional!r}.")
     if self.activation not in ACTIVATIONS:

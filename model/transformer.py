@@ -172,13 +172,43 @@ class FeedForward(nn.Module):
     return dense_apply(c, feed_forward, x)
 
 
+class ScaleNorm(nn.Module):
+  """ScaleNorm (Nguyen & Salazar 2019): g * x / ||x|| over the last axis, in float32.
+
+  One learned scalar g per norm ('scale', initialised to sqrt(features)), no bias; ||x||^2 is
+  held above `epsilon`. x: [..., features] -> the same shape in `dtype`.
+  """
+
+  epsilon: float = 1e-6
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = x.shape[-1]
+    g = self.param('scale', nn.initializers.constant(features ** 0.5), (), self.param_dtype)
+    x32 = x.astype(jnp.float32)
+    squared_norm = jnp.sum(x32 * x32, axis=-1, keepdims=True)
+    y = x32 * jax.lax.rsqrt(jnp.maximum(squared_norm, self.epsilon)) * g.astype(jnp.float32)
+    return y.astype(self.dtype)
+
+
+def normalization(config: TransformerConfig) -> nn.Module:
+  """The norm of every sub-layer connection and pre-LN stack end: `config.norm`'s."""
+  if config.norm == 'scale':
+    return ScaleNorm(epsilon=config.layer_norm_epsilon, dtype=config.dtype,
+                     param_dtype=config.param_dtype)
+  return layer_norm(config)
+
+
 class SublayerConnection(nn.Module):
-  """LayerNorm(x + Dropout(sublayer(x))) (post-LN, the paper) or x + Dropout(sublayer(LN(x)))."""
+  """LayerNorm(x + Dropout(sublayer(x))) (post-LN, the paper) or x + Dropout(sublayer(LN(x)));
+  ScaleNorm in place of LayerNorm with `norm='scale'`."""
 
   config: TransformerConfig
 
   def setup(self):
-    self.norm = layer_norm(self.config)
+    self.norm = normalization(self.config)
     self.dropout = dropout(self.config, self.config.dropout_rate)
 
   def __call__(self, x: Array, sublayer: Callable[[Array], Array], train: bool) -> Array:
@@ -263,7 +293,7 @@ class Encoder(nn.Module):
   def setup(self):
     self.layers = [EncoderLayer(self.config) for _ in range(self.config.num_encoder_layers)]
     if self.config.pre_norm:  # Pre-LN leaves the residual stream unnormalised.
-      self.norm = layer_norm(self.config)
+      self.norm = normalization(self.config)
 
   def __call__(self, x: Array, mask: Array, train: bool = False) -> Array:
     """x: [batch, src_len, d_model] embedded; mask: [batch, 1, src_len, src_len] -> encoded."""
@@ -280,7 +310,7 @@ class Decoder(nn.Module):
   def setup(self):
     self.layers = [DecoderLayer(self.config) for _ in range(self.config.num_decoder_layers)]
     if self.config.pre_norm:
-      self.norm = layer_norm(self.config)
+      self.norm = normalization(self.config)
 
   def __call__(self, y: Array, encoded: Array, self_mask: Array, cross_mask: Array,
                train: bool = False) -> Array:

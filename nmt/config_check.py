@@ -83,6 +83,9 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if not 0 <= config.get('max_train_minutes', 0) < float('inf'):
     raise ConfigError(f'max_train_minutes must be 0 (no limit) or a positive number of minutes, '
                       f'got {config.max_train_minutes}.')
+  if optimizer.get('rdrop_alpha', 0.0) < 0:
+    raise ConfigError(f'optimizer.rdrop_alpha must be >= 0 (0: no R-Drop), got '
+                      f'{optimizer.rdrop_alpha}.')
   if not 0 <= optimizer.ema_decay < 1:
     raise ConfigError(f'optimizer.ema_decay must be in [0, 1) (0: no moving average), got '
                       f'{optimizer.ema_decay}.')

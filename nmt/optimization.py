@@ -133,23 +133,43 @@ def ema_update(ema_params: Any, params: Any, step: jax.Array, decay: float) -> A
 
 
 def training_loss(params: Any, batch: dict[str, jax.Array], rng: jax.Array, *,
-                  model: Transformer, label_smoothing: float) -> tuple[jax.Array, dict]:
-  """Summed label-smoothed loss of a packed batch with dropout on, and all the loss sums."""
-  logits = model.apply(
-      {'params': params}, batch['inputs'], batch['targets'],
-      inputs_segmentation=batch['inputs_segmentation'],
-      targets_segmentation=batch['targets_segmentation'],
-      inputs_positions=batch['inputs_positions'],
-      targets_positions=batch['targets_positions'], train=True, rngs={'dropout': rng})
-  sums = cross_entropy(logits, batch['targets'], (batch['targets'] > 0).astype(jnp.float32),
-                       label_smoothing)
+                  model: Transformer, label_smoothing: float,
+                  rdrop_alpha: float = 0.0) -> tuple[jax.Array, dict]:
+  """Summed label-smoothed loss of a packed batch with dropout on, and all the loss sums.
+
+  With `rdrop_alpha` > 0, R-Drop (Liang et al. 2021): two forward passes with different
+  dropout; every sum is the two passes' mean, and the loss adds rdrop_alpha * (KL(p1 || p2) +
+  KL(p2 || p1)) / 4 per real token, the R-Drop code's loss per token of its doubled batch (so
+  its alphas carry over).
+  """
+  weights = (batch['targets'] > 0).astype(jnp.float32)
+
+  def forward(key):
+    return model.apply(
+        {'params': params}, batch['inputs'], batch['targets'],
+        inputs_segmentation=batch['inputs_segmentation'],
+        targets_segmentation=batch['targets_segmentation'],
+        inputs_positions=batch['inputs_positions'],
+        targets_positions=batch['targets_positions'], train=True, rngs={'dropout': key})
+
+  if not rdrop_alpha:
+    sums = cross_entropy(forward(rng), batch['targets'], weights, label_smoothing)
+    return sums['loss'], sums
+  # Two applies rather than one on a doubled batch: each device keeps its own rows.
+  logits = [forward(jax.random.fold_in(rng, i)) for i in range(2)]
+  passes = [cross_entropy(x, batch['targets'], weights, label_smoothing) for x in logits]
+  sums = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, *passes)
+  log_p, log_q = (jax.nn.log_softmax(x.astype(jnp.float32)) for x in logits)
+  symmetric_kl = jnp.sum((jnp.exp(log_p) - jnp.exp(log_q)) * (log_p - log_q), axis=-1)
+  sums['loss'] = sums['loss'] + rdrop_alpha / 4 * jnp.sum(symmetric_kl * weights)
   return sums['loss'], sums
 
 
 def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Transformer,
                optimizer: optax.GradientTransformation, schedule: optax.Schedule,
                label_smoothing: float, grad_accum_steps: int,
-               ema_decay: float = 0.0) -> tuple[dict[str, Any], dict[str, jax.Array]]:
+               ema_decay: float = 0.0, rdrop_alpha: float = 0.0
+               ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
   """One optimizer update on a global batch [batch, length]; gradient accumulation inside.
 
   The loss is normalised by the number of real target tokens of the whole batch, so
@@ -159,7 +179,8 @@ def train_step(state: dict[str, Any], batch: dict[str, jax.Array], *, model: Tra
   """
   step_rng = jax.random.fold_in(state['rng'], state['step'])
   grad_fn = jax.grad(functools.partial(training_loss, model=model,
-                                       label_smoothing=label_smoothing), has_aux=True)
+                                       label_smoothing=label_smoothing,
+                                       rdrop_alpha=rdrop_alpha), has_aux=True)
   if grad_accum_steps == 1:
     grads, sums = grad_fn(state['params'], batch, step_rng)
   else:
@@ -221,7 +242,8 @@ def compile_train_step(config: ml_collections.ConfigDict, model: Transformer,
                         schedule=learning_rate_schedule(config),
                         label_smoothing=config.optimizer.label_smoothing,
                         grad_accum_steps=config.optimizer.grad_accum_steps,
-                        ema_decay=config.optimizer.ema_decay),
+                        ema_decay=config.optimizer.ema_decay,
+                        rdrop_alpha=config.optimizer.get('rdrop_alpha', 0.0)),
       in_shardings=(shardings, batch_sharding), out_shardings=(shardings, None),
       donate_argnums=(0,))
   return step_fn, batch_sharding

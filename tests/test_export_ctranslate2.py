@@ -153,3 +153,9 @@ def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(trained_ru
   last_line = stderr.strip().splitlines()[-1]
   assert last_line.startswith("error: CTranslate2 runs the paper's attention"), stderr
   assert "activation 'gelu'" in last_line, stderr
+
+
+def test_scale_norm_runs_are_refused_with_a_clear_error():
+  config = TransformerConfig(vocab_size=16, d_model=8, num_heads=2, d_ff=16, norm='scale')
+  with pytest.raises(ValueError, match=r"LayerNorm; this run has norm 'scale'.*--format jax"):
+    export.ctranslate2_spec(config, {}, ['<pad>'] * 16)

@@ -20,6 +20,7 @@ from model import (
 from model import config as config_lib
 from model.cpu import dropout as cpu_dropout
 from model.cpu import layer_norm as cpu_layer_norm
+from model.transformer import ScaleNorm
 
 VOCAB = 53
 
@@ -255,10 +256,10 @@ def test_cached_decoding_matches_forward_greedy(cpu_tuned):
     assert max_abs(logits[:, 0], full[:, t]) < 1e-4, f'step {t}'
 
 
-@pytest.mark.parametrize('cpu_tuned', [True, False])
-def test_cached_decoding_matches_forward_beams(cpu_tuned):
+@pytest.mark.parametrize('cpu_tuned, norm', [(True, 'layer'), (False, 'layer'), (True, 'scale')])
+def test_cached_decoding_matches_forward_beams(cpu_tuned, norm):
   # Pre-LN here (post-LN above), so both variants' decoding paths (final norm) are covered.
-  config = small_config(pre_norm=True, cpu_tuned=cpu_tuned)
+  config = small_config(pre_norm=True, cpu_tuned=cpu_tuned, norm=norm)
   params, forward = init_params(config), make_forward(config)
   rng = np.random.default_rng(5)
   batch, beam, length = 2, 3, 6
@@ -601,6 +602,8 @@ def test_explicit_attention_path_matches_fused(monkeypatch):
 def test_config_errors():
   with pytest.raises(ValueError, match='divisible'):
     TransformerConfig(vocab_size=VOCAB, d_model=30, num_heads=4)
+  with pytest.raises(ValueError, match="norm must be 'layer' or 'scale', got 'rms'"):
+    small_config(norm='rms')
   config = small_config(max_len=8)
   params = init_params(small_config())  # max_len does not change the parameters.
   model = Transformer(config)
@@ -621,6 +624,24 @@ def test_config_errors():
 
 # --------------------------------------------------------------------------------------------
 # 11. Dropout's counter-based keep mask.
+
+
+def test_scale_norm_gives_every_position_the_learned_length():
+  rng = np.random.default_rng(11)
+  x = jnp.asarray(rng.standard_normal((3, 5, 16)) * rng.uniform(0.1, 10, (3, 5, 1)), jnp.float32)
+  layer = ScaleNorm()
+  params = layer.init(jax.random.key(0), x)['params']
+  assert params['scale'].shape == () and float(params['scale']) == pytest.approx(4.0)  # sqrt(16).
+  for g in (4.0, 2.5):
+    y = np.asarray(layer.apply({'params': {'scale': jnp.float32(g)}}, x))
+    np.testing.assert_allclose(np.linalg.norm(y, axis=-1), g, rtol=1e-5)
+    np.testing.assert_allclose(y / g, np.asarray(x) / np.linalg.norm(x, axis=-1, keepdims=True),
+                               rtol=1e-5, atol=1e-6)
+  # In a pre-LN model every norm is one scalar, so LayerNorm's 2 * d_model become 1.
+  config = small_config(pre_norm=True, norm='scale')
+  norms = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(init_params(config))[0]
+           if any(getattr(k, 'key', '') == 'norm' for k in path)]
+  assert len(norms) == 2 * 2 + 3 * 2 + 2 and all(n.shape == () for n in norms)
 
 
 def test_dropout_keep_mask_is_bernoulli_and_independent():

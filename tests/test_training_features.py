@@ -40,6 +40,32 @@ def test_ema_follows_its_formula_step_by_step():
   assert difference > 1e-4
 
 
+def test_rdrop_adds_alpha_times_a_positive_divergence_and_nothing_without_dropout():
+  rng = np.random.default_rng(3)
+  batch = random_batch(rng, 4, 12, 40)
+  key = jax.random.PRNGKey(1)
+
+  def loss(dropout_rate, alpha):
+    config = small_config({'model.vocab_size': 40, 'model.dropout_rate': dropout_rate})
+    model = Transformer(TransformerConfig(**config.model))
+    params = jax.jit(model.init)(key, batch['inputs'][:1], batch['targets'][:1])['params']
+    value, sums = jax.jit(functools.partial(
+        optimization.training_loss, model=model, label_smoothing=0.1, rdrop_alpha=alpha))(
+            params, batch, key)
+    return float(value), {k: float(v) for k, v in sums.items()}
+
+  # Without dropout both passes are the plain pass: the same sums, a divergence of 0.
+  plain, plain_sums = loss(0.0, 0.0)
+  doubled, doubled_sums = loss(0.0, 3.0)
+  assert doubled == pytest.approx(plain, rel=1e-5)
+  assert doubled_sums == pytest.approx(plain_sums, rel=1e-5)
+  # With dropout the passes differ: the added term is positive and linear in alpha (alpha 0
+  # runs one pass with other dropout, so the comparisons start from alpha 1).
+  one, two, three = (loss(0.3, alpha)[0] for alpha in (1.0, 2.0, 3.0))
+  assert two - one > 1e-3 * abs(one)
+  assert three - one == pytest.approx(2 * (two - one), rel=1e-3)
+
+
 def test_training_feature_config_errors():
   mesh = sharding.make_mesh('')
   for change, message in (({'optimizer.ema_decay': 1.0}, 'ema_decay must be in'),
@@ -51,6 +77,7 @@ def test_training_feature_config_errors():
                           ({'optimizer.cooldown_fraction': 1.5}, 'cooldown_fraction must be in'),
                           ({'optimizer.cooldown_fraction': -0.1}, 'cooldown_fraction must be in'),
                           ({'max_train_minutes': -5.0}, 'max_train_minutes must be'),
+                          ({'optimizer.rdrop_alpha': -1.0}, 'rdrop_alpha must be >= 0'),
                           ({'max_train_minutes': float('inf')}, 'max_train_minutes must be')):
     with pytest.raises(config_check.ConfigError, match=message):
       config_check.validate_config(small_config(change), mesh)
