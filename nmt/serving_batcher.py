@@ -8,7 +8,6 @@ It lives in `nmt/` in a checkout; `export.py` copies it flat into the exported f
 
 from __future__ import annotations
 
-import functools
 import threading
 from typing import Any
 
@@ -28,9 +27,9 @@ class Busy(Exception):
 
 # The slot pool's state as a whole, each operation one compiled program per shape (one
 # operation per leaf, dispatched one by one, stalled the server for seconds at a new size).
-@functools.partial(jax.jit, donate_argnums=0)
+@jax.jit
 def _concatenate_slots(state: Any, extra: Any) -> Any:
-  """The slots of `state`, then those of `extra`."""
+  """The slots of `state`, then those of `extra` (a new, larger state: nothing to donate)."""
   return jax.tree_util.tree_map(lambda a, b: jnp.concatenate([a, b]), state, extra)
 
 

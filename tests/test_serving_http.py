@@ -249,10 +249,15 @@ def test_pool_translates_as_decode(serving_module, translator):
   starts = []  # (start width, the longest admitted sentence's tokens) per admission.
   call_tree = translator._call_tree
 
+  kept = []  # Shapes of state arrays a put or step did not consume (donation not aliased).
+
   def record(name, *args):
     if name.startswith('pool_start_'):
       starts.append((int(name.rsplit('_', 1)[1]), int((args[0] != translator.pad_id).sum(1).max())))
-    return call_tree(name, *args)
+    result = call_tree(name, *args)
+    if name.startswith(('pool_put_', 'pool_step_')):
+      kept.extend(x.shape for x in jax.tree_util.tree_leaves(args[0]) if not x.is_deleted())
+    return result
 
   translator._call_tree = record
   try:
@@ -279,6 +284,8 @@ def test_pool_translates_as_decode(serving_module, translator):
     widths = batcher.pool.start_widths
     assert all(width == min(w for w in widths if w >= longest) for width, longest in starts)
     assert len({width for width, _ in starts}) >= 2, (starts, widths)
+    # Puts and steps update the pool's state in place: XLA aliased every donated array.
+    assert not kept, kept
   finally:
     translator._call_tree = call_tree
     batcher.stop()

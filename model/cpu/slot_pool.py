@@ -23,7 +23,7 @@ Array = jax.Array
 
 def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
               max_length: int) -> dict[str, Any]:
-  """Five plain functions over a pool of slots, for a model on the CPU decoding path:
+  """Four plain functions over a pool of slots, for a model on the CPU decoding path:
 
     init(slots [n] int32) -> state: n empty slots (only the shape of `slots` is read);
     start(params, sources [k, w] int32) -> started: k sentences (EOS included, PAD_ID-padded
@@ -33,7 +33,6 @@ def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
     put(state, started, slot [k] int32) -> state: started sentence i runs in slot[i] (an index
       >= n: none). Only what a start sets is written (not the slots' self-attention cache,
       which a sentence fills before it reads it);
-    admit(params, state, sources [k, w] int32, slot [k] int32) -> state: `put` of `start`;
     step(params, state, steps int32 scalar) -> state: up to `steps` beam-search steps of every
       running slot (fewer once all are done). A slot whose sentence ended has done True and its
       result in fin_seqs [n, 1, max_length] and fin_scores [n, 1] until it is admitted again.
@@ -68,13 +67,10 @@ def slot_pool(model: Transformer, settings: dict[str, Any], width: int,
     return start_slots(state, slot, started['cross'], started['encoder_mask'],
                        started['limits'])
 
-  def admit(params: Any, state: dict[str, Any], sources: Array, slot: Array) -> dict[str, Any]:
-    return put(state, start(params, sources), slot)
-
   def step(params: Any, state: dict[str, Any], steps: Array) -> dict[str, Any]:
     variables = {'params': params}
     body = lambda carry: (carry[0] + 1, step_slots(model, variables, carry[1], **search))
     cond = lambda carry: (carry[0] < steps) & ~jnp.all(carry[1]['done'])
     return jax.lax.while_loop(cond, body, (jnp.int32(0), state))[1]
 
-  return {'init': init, 'start': start, 'put': put, 'admit': admit, 'step': step}
+  return {'init': init, 'start': start, 'put': put, 'step': step}
