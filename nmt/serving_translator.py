@@ -226,7 +226,7 @@ class ExportedTranslator:
     score (length-penalised, as the search ranks); log_prob; tokens (the pieces, '</s>'
     last); token_log_probs (the model's teacher-forced log-probability of each piece, summing
     to log_prob); source_tokens (the source's pieces as the encoder reads them, '</s>' last);
-    alignment (per piece of tokens, the index of the source piece it attends to most); with
+    align (per piece of tokens, the index of the source piece it attends to most); with
     `attention`, attention [len(tokens)][len(source_tokens)]: the cross-attention weights
     averaged over the decoder's layers and heads (each row sums to 1).
     """
@@ -265,7 +265,7 @@ class ExportedTranslator:
           output.update(
               log_prob=float(log_probs.sum()), tokens=self._pieces(target),
               token_log_probs=[float(x) for x in log_probs], source_tokens=self._pieces(ids[i]),
-              alignment=[int(x) for x in weights.argmax(axis=1)])
+              align=[int(x) for x in weights.argmax(axis=1)])
           if attention:
             output['attention'] = weights.tolist()
     return outputs

@@ -179,7 +179,7 @@ def test_details_equal_decode_and_the_forward_pass(trained_run, translator):
                                      cross_attention(model, params, sources, targets)):
     assert output['source_tokens'] == [pieces[t] for t in source]
     np.testing.assert_allclose(output['attention'], mean, atol=1e-4)
-    assert output['alignment'] == [int(i) for i in mean.argmax(axis=1)]
+    assert output['align'] == [int(i) for i in mean.argmax(axis=1)]
 
 
 def requests_behind_a_held_one(server, lines, held) -> tuple[dict, list]:
@@ -389,7 +389,7 @@ def test_details_over_http(server, translator):
   status, body, _ = server.request('/translate', {'text': lines, 'details': True})
   assert status == 200 and body['translations'] == translator.translate(lines)
   assert all('attention' not in d[0] and len(d) == 1 for d in body['details'][:3])
-  assert all(len(d[0]['alignment']) == len(d[0]['tokens']) for d in body['details'][:3])
+  assert all(len(d[0]['align']) == len(d[0]['tokens']) for d in body['details'][:3])
 
 
 def test_bad_input_gets_json_errors(server, serving_module):

@@ -96,9 +96,9 @@ def test_page_translates_and_draws_the_attention(exported_jax, tmp_path):
         page.hover(f'#heatmap tbody tr:nth-child({last + 1}) th')
         highlighted = page.locator('#heatmap td.cell.highlight')
         assert highlighted.count() == 1
-        assert highlighted.get_attribute('data-col') == str(best['alignment'][last])
+        assert highlighted.get_attribute('data-col') == str(best['align'][last])
         assert page.locator('#heatmap th.hover-col').inner_text() == (
-            best['source_tokens'][best['alignment'][last]])
+            best['source_tokens'][best['align'][last]])
         page.screenshot(path=str(tmp_path / 'page.png'), full_page=True)
         assert os.path.getsize(tmp_path / 'page.png') > 10_000
         assert page.errors == []
