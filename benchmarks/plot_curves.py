@@ -156,14 +156,18 @@ def score_against_minutes(records: dict[int, dict[str, float]],
 
 
 def plot_runs(curves: dict[str, tuple[np.ndarray, np.ndarray]], output: str, ylabel: str,
-              title: str = '', points: dict[str, list[tuple[float, float]]] | None = None) -> str:
+              title: str = '', points: dict[str, list[tuple[float, float]]] | None = None,
+              levels: dict[str, float] | None = None) -> str:
   """One panel: each run's (minutes, values) as a line; `points`: labelled single markers
-  (e.g. another system's measurements). Returns the PNG path."""
+  (e.g. another system's measurements); `levels`: labelled horizontal lines (e.g. a published
+  score). Returns the PNG path."""
   fig, ax = plt.subplots(figsize=(8, 5))
   for label, (minutes, values) in curves.items():
     ax.plot(minutes, values, marker='o', markersize=3, linewidth=1.4, label=label)
   for label, xy in (points or {}).items():
     ax.plot(*zip(*xy), linestyle='none', marker='s', markersize=7, label=label)
+  for label, value in (levels or {}).items():
+    ax.axhline(value, color='black', linestyle='--', linewidth=1, label=label)
   ax.set_xlabel('minutes of training')
   ax.set_ylabel(ylabel)
   ax.set_title(title)

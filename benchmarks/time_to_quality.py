@@ -11,7 +11,8 @@ and the last) and with the average of the last
 training-minutes axis (train_minutes in metrics.jsonl: the loop's time less validation). It
 reports the minutes each BLEU threshold (30, 35, ...) was first reached at. The second form
 plots the curves of several such files next to the Flax WMT example's measured points on the
-same machine type (../shared/ANCHORS.md).
+same machine type (../shared/ANCHORS.md); with `--metric bleu_tok_lc`, BLEU tok-lc (the
+Multi30k papers' metric) next to the best published text-only result from the same 29k pairs.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # sacreBLEU cased), from ../shared/ANCHORS.md.
 PEER_POINTS = [(20.0, 25.5), (35.0, 31.7), (50.0, 34.7)]
 THRESHOLDS = (30.0, 35.0, 38.0, 40.0, 42.0)
+# Wu et al. 2021's Transformer-tiny on test_2016_flickr, BLEU tok-lc (the papers' metric).
+PUBLISHED_TOK_LC = {'Wu et al. 2021, Transformer-tiny (41.02)': 41.02}
+METRICS = {'bleu': 'sacreBLEU (cased, single checkpoints)',
+           'bleu_tok_lc': "BLEU tok-lc (the Multi30k papers' metric, single checkpoints)"}
 
 
 def minutes_of_steps(workdir: str, steps: list[int]) -> list[float]:
@@ -56,6 +61,7 @@ def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
   mesh = sharding.make_mesh()
   sources, references = input_pipeline.read_split(config, split)
   translator = translator_lib.Translator(model, tokenizer, config.decode, mesh)
+  lang = config.data.target_lang
   steps = checkpoints.saved_steps(workdir)
   if not steps:
     raise SystemExit(f'error: no checkpoints in {workdir}.')
@@ -65,32 +71,40 @@ def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
   points = []
   for step, at in zip(steps, minutes):
     params, _ = runs.load_params(workdir, mesh, step)
-    scores = scoring.score(translator(params, sources), references)
+    scores = scoring.score(translator(params, sources), references, lang)
     points.append({'step': step, 'minutes': at, 'bleu': scores['bleu'],
-                   'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']})
+                   'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf'],
+                   'bleu_tok_lc': scores['bleu_tok_lc']})
     print(json.dumps(points[-1]), flush=True)
   count = min(config.average_last_checkpoints, len(checkpoints.saved_steps(workdir)))
   params, origin = runs.load_params(workdir, mesh, None, count)
-  scores = scoring.score(translator(params, sources), references)
+  scores = scoring.score(translator(params, sources), references, lang)
   final = {'checkpoint': origin, 'minutes': minutes[-1], 'bleu': scores['bleu'],
-           'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf']}
+           'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf'],
+           'bleu_tok_lc': scores['bleu_tok_lc']}
   print(json.dumps(final), flush=True)
   return {'workdir': os.path.abspath(workdir), 'split': split, 'points': points,
           'averaged': final,
           'minutes_to': {f'{t:g}': first_reaching(points, t) for t in THRESHOLDS}}
 
 
-def plot(results: list[dict], labels: list[str], output: str) -> str:
+def plot(results: list[dict], labels: list[str], output: str, metric: str = 'bleu') -> str:
+  """The runs' `metric` against training minutes, with the references measured in it: the
+  Flax WMT example's points (sacreBLEU) or the published result (BLEU tok-lc)."""
   from benchmarks import plot_curves
   curves = {}
   for label, result in zip(labels, results):
     points = result['points']
+    if any(metric not in p for p in points):
+      raise SystemExit(f'error: {result["workdir"]} has no {metric} points: measure it again.')
     curves[label] = (np.asarray([p['minutes'] for p in points]),
-                     np.asarray([p['bleu'] for p in points]))
+                     np.asarray([p[metric] for p in points]))
+  tok_lc = metric == 'bleu_tok_lc'
   return plot_curves.plot_runs(
-      curves, output, f'{results[0]["split"]} sacreBLEU (cased, single checkpoints)',
+      curves, output, f'{results[0]["split"]} {METRICS[metric]}',
       'Multi30k en-de: BLEU against training minutes',
-      points={'Flax WMT example (ANCHORS.md)': PEER_POINTS})
+      points=None if tok_lc else {'Flax WMT example (ANCHORS.md)': PEER_POINTS},
+      levels=PUBLISHED_TOK_LC if tok_lc else None)
 
 
 def main(argv=None):
@@ -102,6 +116,8 @@ def main(argv=None):
   parser.add_argument('--json', help='Write the measurement here.')
   parser.add_argument('--plot', help='PNG of the curves in the given JSON files.')
   parser.add_argument('--labels', help='Comma-separated labels for --plot (default: run names).')
+  parser.add_argument('--metric', default='bleu', choices=sorted(METRICS),
+                      help='What --plot draws.')
   parser.add_argument('files', nargs='*', help='--plot: measurements written by --json.')
   args = parser.parse_args(argv)
   if bool(args.workdir) == bool(args.plot):
@@ -117,7 +133,7 @@ def main(argv=None):
               [os.path.basename(r['workdir']) for r in results])
     if len(labels) != len(results):
       parser.error(f'{len(labels)} labels for {len(results)} files.')
-    print(f'wrote {plot(results, labels, args.plot)}')
+    print(f'wrote {plot(results, labels, args.plot, args.metric)}')
     return results
   result = measure(args.workdir, args.split, args.every_steps)
   print(json.dumps(result['minutes_to']))

@@ -201,9 +201,9 @@ def test_attention_comparison_commands_and_report(tmp_path, capsys):
   assert (tmp_path / 'p.png').read_bytes()[:4] == b'\x89PNG'
 
 
-def test_time_to_quality_thresholds_and_plot(tmp_path):
-  from benchmarks import time_to_quality
-  points = [{'step': s, 'minutes': s / 100, 'bleu': b}
+def test_time_to_quality_thresholds_and_plot(tmp_path, monkeypatch):
+  from benchmarks import plot_curves, time_to_quality
+  points = [{'step': s, 'minutes': s / 100, 'bleu': b, 'bleu_tok_lc': b + 0.4}
             for s, b in ((500, 20.0), (1000, 31.0), (1500, 29.0), (2000, 35.5))]
   assert time_to_quality.first_reaching(points, 30.0) == 10.0
   assert time_to_quality.first_reaching(points, 35.0) == 20.0
@@ -213,6 +213,15 @@ def test_time_to_quality_thresholds_and_plot(tmp_path):
                               'points': points}))
   time_to_quality.main(['--plot', str(tmp_path / 'ttq.png'), str(path)])
   assert (tmp_path / 'ttq.png').read_bytes()[:4] == b'\x89PNG'
+  # The papers' metric, with the published result as a line (and without the peer's sacreBLEU).
+  drawn = []
+  monkeypatch.setattr(plot_curves, 'plot_runs', lambda curves, output, ylabel, title, points,
+                      levels: drawn.append((curves, ylabel, points, levels)) or output)
+  time_to_quality.main(['--plot', str(tmp_path / 'tok.png'), '--metric', 'bleu_tok_lc',
+                        str(path)])
+  (curves, ylabel, points, levels), = drawn
+  assert list(curves['run'][1]) == pytest.approx([20.4, 31.4, 29.4, 35.9])
+  assert 'tok-lc' in ylabel and points is None and list(levels.values()) == [41.02]
   with pytest.raises(SystemExit):
     time_to_quality.main(['--plot', str(tmp_path / 'x.png'), '--labels', 'a,b', str(path)])
 
