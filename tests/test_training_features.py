@@ -45,13 +45,15 @@ def test_rdrop_adds_alpha_times_a_positive_divergence_and_nothing_without_dropou
   batch = random_batch(rng, 4, 12, 40)
   key = jax.random.PRNGKey(1)
 
+  model_config = lambda rate: TransformerConfig(**small_config(
+      {'model.vocab_size': 40, 'model.dropout_rate': rate}).model)
+  params = jax.jit(Transformer(model_config(0.0)).init)(  # Dropout does not change them.
+      key, batch['inputs'][:1], batch['targets'][:1])['params']
+
   def loss(dropout_rate, alpha):
-    config = small_config({'model.vocab_size': 40, 'model.dropout_rate': dropout_rate})
-    model = Transformer(TransformerConfig(**config.model))
-    params = jax.jit(model.init)(key, batch['inputs'][:1], batch['targets'][:1])['params']
     value, sums = jax.jit(functools.partial(
-        optimization.training_loss, model=model, label_smoothing=0.1, rdrop_alpha=alpha))(
-            params, batch, key)
+        optimization.training_loss, model=Transformer(model_config(dropout_rate)),
+        label_smoothing=0.1, rdrop_alpha=alpha))(params, batch, key)
     return float(value), {k: float(v) for k, v in sums.items()}
 
   # Without dropout both passes are the plain pass: the same sums, a divergence of 0.
