@@ -3,6 +3,7 @@ local Multi30k copy, one compilation cache and one TFDS folder for the whole run
 pytest-xdist's workers), fixtures built once per run, and, under CI=true, no skipped test: a
 test that skips there (its data missing, say) fails instead."""
 
+import contextlib
 import os
 import pathlib
 import shutil
@@ -52,6 +53,27 @@ import pytest  # noqa: E402
 jax.config.update('jax_num_cpu_devices', 8)
 
 
+@contextlib.contextmanager
+def one_device_meshes():
+  """Within it, a mesh made without a device list (train.py's, decode's) spans the first of
+  the 8 fake devices: for the tests whose claim is not about devices, as an 8-device mesh
+  trains a tiny model far more slowly on CPU (the collectives of 8 devices share the cores,
+  and checkpoints copy each array from 8 replicas). The multi-device claims keep their 8
+  (tests/test_train.py) or start processes (tests/test_multiprocess.py)."""
+  from nmt import sharding
+  make_mesh = sharding.make_mesh
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(sharding, 'make_mesh', lambda mesh_shape='', devices=None: make_mesh(
+        mesh_shape, jax.devices()[:1] if devices is None else devices))
+    yield
+
+
+@pytest.fixture
+def one_device():
+  with one_device_meshes():
+    yield
+
+
 def built_once(name: str, build) -> str:
   """RUN_DIR/name, made by `build(path)` by the first test (of any worker) that asks for it;
   the others wait for it and share it: read it, never write into it."""
@@ -76,9 +98,9 @@ TRAINED_RUN_STEPS = (100, 200, 300)
 
 @pytest.fixture(scope='session')
 def trained_run() -> str:
-  """A workdir of configs/tiny.py trained 300 steps to copy English sentences (checkpoints
-  100, 200 and 300), shared by every test that decodes, exports or serves a run: read it,
-  never write into it. Its translations follow their sources in part, so they differ from
+  """A workdir of configs/tiny.py trained 300 steps on one device to copy English sentences
+  (checkpoints 100, 200 and 300), shared by every test that decodes, exports or serves a run:
+  read it, never write into it. Its translations follow their sources in part, so they differ from
   sentence to sentence (a parity test between two translators is then not trivially met)."""
   needs_multi30k()
 
@@ -101,7 +123,8 @@ def trained_run() -> str:
     config.eval.every_steps = 1000
     config.eval.bleu_sentences = 0
     config.log_every_steps = 100
-    train.train_and_evaluate(config, os.path.join(path, 'run'))
+    with one_device_meshes():
+      train.train_and_evaluate(config, os.path.join(path, 'run'))
 
   return os.path.join(built_once('trained_run', build), 'run')
 

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import built_once
+from conftest import built_once, one_device_meshes
 
 import train
 from configs import tiny
@@ -55,14 +55,16 @@ def eight_step_run():
     pytest.skip('needs the Multi30k files: set MULTI30K_DIR')
 
   def build(path):
-    train.train_and_evaluate(run_config(), path)
+    with one_device_meshes():
+      train.train_and_evaluate(run_config(), path)
     assert checkpoints.saved_steps(path) == [2, 4, 6, 8]
 
   return built_once('eight_step_run', build)
 
 
 @pytest.fixture
-def run(eight_step_run, tmp_path):
+def run(eight_step_run, tmp_path, one_device):
+  """A copy of eight_step_run; the test's meshes span one device (conftest.one_device)."""
   copy = str(tmp_path / 'run')
   shutil.copytree(eight_step_run, copy)
   return copy

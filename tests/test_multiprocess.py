@@ -206,7 +206,7 @@ def test_damaged_checkpoint_judged_once_and_mismatch_sets_nothing_aside(tmp_path
       data = bytearray(open(path, 'rb').read())
       data[len(data) // 2:] = bytes(len(data) - len(data) // 2)
       open(path, 'wb').write(bytes(data))
-  finished = train(workdir, 36)
+  finished = train(workdir, 36, 2, 2, '--config.eval.bleu_sentences=0')  # Its claim is params.
   for result in finished:
     assert 'Skipping damaged checkpoint 32' in result.stderr
   assert 'Resumed from step 28' in finished[0].stderr
@@ -232,7 +232,7 @@ def test_trained_on_two_processes_decodes_and_resumes_on_other_topologies(
   assert outputs[2] == outputs[1]  # One complete output, in input order.
   assert len(outputs[1]) == len(SOURCES) + 1 and outputs[1][1] == ''
   assert len({line for line in outputs[1] if line}) == len(SOURCES) - 1  # All different.
-  finished = train(workdir, 36, 1, 4)
+  finished = train(workdir, 36, 1, 4, '--config.eval.bleu_sentences=0')
   assert 'Resumed from step 32' in finished[0].stderr
   assert_params_close(workdir, 36, two_process_run[0], atol=ONE_STEP_ATOL)
 

@@ -161,7 +161,7 @@ def test_config_choices_and_errors():
 
 
 @needs_multi30k
-def test_trains_averages_and_decodes_through_the_same_commands(tmp_path):
+def test_trains_averages_and_decodes_through_the_same_commands(tmp_path, one_device):
   config = small_config({'num_train_steps': 6, 'checkpoint_every_steps': 3,
                          'eval.every_steps': 6, 'eval.bleu_every_steps': 6,
                          'eval.bleu_sentences': 4})

@@ -410,7 +410,7 @@ def _final_params(workdir):
 
 
 @needs_multi30k
-def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch, one_device):
   """With the moving average of the parameters and the keep-best / early-stopping state.
   Also: metrics.jsonl holds each step once. Before, the rows of steps after the last
   checkpoint were written again by the resumed run."""
@@ -464,7 +464,8 @@ def test_resume_equals_uninterrupted_run(tmp_path, monkeypatch):
 
 
 @needs_multi30k
-def test_max_train_minutes_stops_with_a_checkpoint_and_the_clock_carries_over(tmp_path):
+def test_max_train_minutes_stops_with_a_checkpoint_and_the_clock_carries_over(tmp_path,
+                                                                            one_device):
   """A time budget ends the run (exit 0, not 'interrupted') after the step that used it up; a
   rerun of the same command trains no further; training minutes continue across resumes."""
   config = small_config({'eval.bleu_sentences': 0, 'num_train_steps': 1000,
@@ -502,7 +503,7 @@ def test_a_time_budget_is_decided_by_process_0_at_logging_steps(monkeypatch):
 
 
 @needs_multi30k
-def test_sigint_saves_a_checkpoint_and_stops(tmp_path):
+def test_sigint_saves_a_checkpoint_and_stops(tmp_path, one_device):
   """Ctrl-C in the middle of training (SIGTERM: tests/test_checkpoints.py, as a process)."""
   signum = signal.SIGINT
   config = small_config({'eval.bleu_sentences': 0, 'num_train_steps': 100_000,
@@ -527,7 +528,8 @@ def test_sigint_saves_a_checkpoint_and_stops(tmp_path):
 
 
 @needs_multi30k
-def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_path):
+def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_path,
+                                                                           one_device):
   # A learning rate of ~1e28 makes the first update blow the parameters up; every later step
   # then has a non-finite loss and is skipped, until the streak reaches the limit.
   config = small_config({'optimizer.learning_rate_scale': 1e30,

@@ -87,7 +87,8 @@ def test_training_feature_config_errors():
 
 
 @needs_multi30k
-def test_early_stop_after_patience_evaluations_is_reproducible(tmp_path, monkeypatch):
+def test_early_stop_after_patience_evaluations_is_reproducible(tmp_path, monkeypatch,
+                                                                 one_device):
   """Validation losses rigged to improve until step 4, then get worse: with patience 2 and an
   evaluation every 2 steps, training stops at step 8, best at step 4; a rerun stays stopped."""
   losses = {2: 3.0, 4: 2.5, 6: 2.6, 8: 2.55, 10: 2.0}
