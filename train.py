@@ -132,12 +132,16 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
   stopped = stop_requests.stop_after(step)
   # A run resumed after its budget was used up trains no further.
   out_of_time = bool(time_limit) and clock.seconds_before / 60 >= time_limit
+  previous_metrics = None
   while step < last_step and not (stopped or keep_best.stopped or out_of_time):
     batch = sharding.from_host_rows(next(train_iter), batch_sharding)
     with jax.transfer_guard('disallow'):
       state, step_metrics = step_fn(state, batch)
-    if sync_each_step:
-      jax.block_until_ready(step_metrics)
+    # At most two steps in flight (one with several CPU devices): the device never waits for
+    # the host, and a signal stops the run within a step of where the device is, not after
+    # every step dispatched ahead up to the next logging step (a preemption notice can be 30 s).
+    jax.block_until_ready(step_metrics if sync_each_step else previous_metrics)
+    previous_metrics = step_metrics
     step += 1
 
     fetched = log.record(step, step_metrics)
