@@ -45,7 +45,7 @@ def score(hypotheses: list[str], references: list[str],
       'chrf_signature': str(chrf.get_signature()),
   }
   if lang:
-    tokenized = sacrebleu.metrics.BLEU(tokenize='none')
+    tokenized = sacrebleu.metrics.BLEU(tokenize='none', force=True)  # Tokenized on purpose.
     scores['bleu_tok_lc'] = tokenized.corpus_score(
         tokenized_lowercase(hypotheses, lang), [tokenized_lowercase(references, lang)]).score
   return scores

@@ -41,6 +41,14 @@ def test_scores_are_sacrebleu_and_the_tokenized_bleu_scores_the_tokens():
     scoring.score(HYPOTHESES, REFERENCES[:2])
 
 
+def test_the_tokenized_bleu_says_nothing_of_its_tokens(caplog):
+  """Before: every decode.py run with references logged sacreBLEU's 'It looks like you forgot
+  to detokenize your test data' about the tokens the papers' metric makes on purpose."""
+  with caplog.at_level('WARNING'):
+    scores = scoring.score(HYPOTHESES * 60, REFERENCES * 60, 'de')  # 120 lines end in ' .'
+  assert scores['bleu_tok_lc'] > 0 and not caplog.records, caplog.text
+
+
 def test_tokenized_test_2016_references_hold_the_published_token_count():
   """The published test_2016_flickr.lc.norm.tok.de holds 12,103 tokens."""
   path = os.path.join(MULTI30K, 'test_2016_flickr.de')
