@@ -18,7 +18,8 @@ Steps, one at a time on the same machine:
      rounds, each: decode.py's batch throughput again (but in the first), and per server
      (their order reversed every other round) per client count a warm-up of
      --warmup_seconds and --seconds measured. Each client sends one-sentence requests in a
-     loop, the sentences taken in turn from --sentences. Per level: requests/s, sentences/s,
+     loop, the sentences taken in turn from --sentences, on one connection kept open as long
+     as the server keeps it (--connections per_request: a connection each). Per level: requests/s, sentences/s,
      latency p50/p95/p99, errors (a failed request or a status other than 200) and
      mismatches (a translation other than decode.py's), and from /health the batches and
      searches the server ran. Each round's ratios use only numbers measured in that round
@@ -163,15 +164,26 @@ class Server:
         raise RuntimeError(f'{serving_py} did not start: {open(log_path).read()[-2000:]}')
       time.sleep(0.2)
 
-  def post(self, texts: list[str], timeout: float = 600) -> tuple[int, Any]:
-    connection = http.client.HTTPConnection('127.0.0.1', self.port, timeout=timeout)
+  def connect(self, timeout: float = 600) -> http.client.HTTPConnection:
+    return http.client.HTTPConnection('127.0.0.1', self.port, timeout=timeout)
+
+  def post(self, texts: list[str], connection: http.client.HTTPConnection | None = None
+           ) -> tuple[int, Any]:
+    """(status, JSON body) of a POST /translate: on `connection`, kept open for the next
+    request if the server keeps it (HTTP/1.1), or on a connection of its own."""
+    own = connection is None
+    connection = connection or self.connect()
     try:
       connection.request('POST', '/translate', json.dumps({'text': texts}),
                          {'Content-Type': 'application/json'})
       response = connection.getresponse()
       return response.status, json.loads(response.read())
+    except BaseException:
+      connection.close()  # Its next request connects again.
+      raise
     finally:
-      connection.close()
+      if own:
+        connection.close()
 
   def health(self) -> dict[str, Any] | None:
     """The batched server's /health (None for a server without it)."""
@@ -222,8 +234,10 @@ def compile_shapes(server: Server, sentences: list[str], lengths: list[int],
 
 def load(server: Server, sentences: list[str], expected: list[str], clients: int,
          seconds: float, start_index: int = 0, on_sample=None,
-         sample_seconds: float = 10.0) -> dict[str, Any]:
-  """`clients` threads sending one-sentence requests for `seconds`: the level's numbers."""
+         sample_seconds: float = 10.0, persistent: bool = True) -> dict[str, Any]:
+  """`clients` threads sending one-sentence requests for `seconds`: the level's numbers.
+  `persistent`: each client keeps one connection open as long as the server does (as an
+  HTTP/1.1 client does), else it connects anew for each request."""
   latencies: list[float] = []
   errors, mismatches = [], 0
   lock = threading.Lock()
@@ -233,13 +247,14 @@ def load(server: Server, sentences: list[str], expected: list[str], clients: int
 
   def client():
     nonlocal mismatches
+    connection = server.connect() if persistent else None
     while time.monotonic() < deadline:
       with lock:
         index = counter[0] % len(sentences)
         counter[0] += 1
       sent = time.monotonic()
       try:
-        status, body = server.post([sentences[index]])
+        status, body = server.post([sentences[index]], connection)
       except Exception as error:  # Counted, and the client goes on.
         with lock:
           errors.append(f'{type(error).__name__}: {error}')
@@ -252,6 +267,8 @@ def load(server: Server, sentences: list[str], expected: list[str], clients: int
           mismatches += 1
         else:
           latencies.append(elapsed)
+    if connection is not None:
+      connection.close()
 
   threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
   started = time.monotonic()
@@ -357,6 +374,10 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--no_pool', action='store_true',
                       help='also measure the batched server without its slot pool (--no_pool)')
   parser.add_argument('--clients', default='1,8,32')
+  parser.add_argument('--connections', choices=('persistent', 'per_request'),
+                      default='persistent',
+                      help='each client keeps its connection while the server does (as '
+                           'HTTP/1.1 clients do), or connects anew for each request')
   parser.add_argument('--seconds', type=float, default=60)
   parser.add_argument('--rounds', type=int, default=2,
                       help="rounds of decode.py's batch throughput and every server's levels")
@@ -369,6 +390,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   scratch = tempfile.mkdtemp(prefix='serving_load_')
   clients = [int(c) for c in args.clients.split(',')]
+  persistent = args.connections == 'persistent'
   with open(args.sentences, encoding='utf-8') as f:
     sentences = f.read().split('\n')[:-1]
   results: dict[str, Any] = {'machine': machine(), 'model': os.path.abspath(args.model),
@@ -415,9 +437,9 @@ def main(argv: list[str] | None = None) -> None:
         levels[name] = {}
         for count in clients:
           load(running[name], sentences, expected, count, args.warmup_seconds,
-               start_index=count)
+               start_index=count, persistent=persistent)
           levels[name][str(count)] = load(running[name], sentences, expected, count,
-                                          args.seconds)
+                                          args.seconds, persistent=persistent)
           print(f'round {round_index + 1}', name, json.dumps(levels[name][str(count)]),
                 file=sys.stderr, flush=True)
         results['servers'][name]['rounds'].append(levels[name])
@@ -436,7 +458,7 @@ def main(argv: list[str] | None = None) -> None:
                      1 << (args.soak_clients - 1).bit_length())
       soak = load(server, sentences, expected, args.soak_clients, 60 * args.soak_minutes,
                   on_sample=lambda t: samples.append((round(t, 1), round(server.rss_mb(), 1))),
-                  sample_seconds=args.sample_seconds)
+                  sample_seconds=args.sample_seconds, persistent=persistent)
     finally:
       server.stop()
     second_minute = [rss for t, rss in samples if 60 <= t < 120]

@@ -277,13 +277,16 @@ def make_http_server(translator: ExportedTranslator, host: str, port: int, *,
   page = _load_page()
 
   class Handler(BaseHTTPRequestHandler):
+    # Persistent connections: a client's next request skips the connect and the new thread.
+    protocol_version = 'HTTP/1.1'
     timeout = READ_TIMEOUT_SECONDS  # Socket reads: a client that stops sending is let go.
     server: TranslationServer
+    answered = 0  # Requests answered on this connection.
 
     def handle_one_request(self):
       """One request, then its access-log line; the connection is 'busy' in between."""
       self.sentences, self.status, self.started = 0, None, None
-      self.raw_requestline = b''
+      self.raw_requestline, self.body_read = b'', False
       if self.server.draining and not select.select([self.connection], [], [], 0)[0]:
         self.close_connection = True  # Shutting down, and no request has arrived on it.
         return
@@ -298,6 +301,7 @@ def make_http_server(translator: ExportedTranslator, host: str, port: int, *,
                                self.status or 'dropped', self.sentences,
                                1000 * (time.monotonic() - self.started))
         self.server.mark(self.connection, 'idle')
+        self.answered += self.status is not None
 
     def parse_request(self):  # Called once the request line has arrived.
       self.started = time.monotonic()
@@ -338,6 +342,7 @@ def make_http_server(translator: ExportedTranslator, host: str, port: int, *,
       if len(body) < length:  # The client left before sending its body: no one to answer.
         self.close_connection = True
         return
+      self.body_read = True
       try:
         request = parse_request(body, limits, translator.beam_size)
         if request['details'] and not translator.has_details:
@@ -413,11 +418,22 @@ def make_http_server(translator: ExportedTranslator, host: str, port: int, *,
       self.send(status, json.dumps(body, ensure_ascii=False).encode('utf-8'),
                 'application/json; charset=utf-8', **headers)
 
+    def body_unread(self) -> bool:
+      """Whether the request declared a body that was not read (it would be taken for the
+      connection's next request)."""
+      headers = getattr(self, 'headers', None)
+      if headers is None or self.body_read:
+        return False
+      return bool(headers.get('Transfer-Encoding')) or (
+          headers.get('Content-Length') or '0').strip() != '0'
+
     def send(self, status: int, data: bytes, content_type: str, **headers: str) -> None:
       self.status = status
-      if self.server.draining:
+      if self.server.draining or self.body_unread():
         self.close_connection = True
       self.send_response(status)
+      if self.close_connection:  # The client knows not to send another request on it.
+        self.send_header('Connection', 'close')
       self.send_header('Content-Type', content_type)
       self.send_header('Content-Length', str(len(data)))
       for name, value in headers.items():
@@ -432,6 +448,11 @@ def make_http_server(translator: ExportedTranslator, host: str, port: int, *,
 
     def log_request(self, code='-', size='-'):
       pass  # handle_one_request writes the request's line, with its sentences and time.
+
+    def log_error(self, format, *args):  # noqa: A002 (http.server's signature)
+      if self.answered and not self.raw_requestline and format.startswith('Request timed out'):
+        return  # A persistent connection left idle: its end is no error.
+      self.log_message(format, *args)
 
     def log_message(self, format, *args):  # noqa: A002 (http.server's signature)
       self.server.log.write(f'{self.client_address[0]} {format % args}\n')

@@ -123,7 +123,7 @@ def server(serving_module, translator):
 def json_error(reply: bytes, status: int) -> str:
   """The error message of a raw HTTP reply with `status` and a JSON body."""
   head, _, body = reply.partition(b'\r\n\r\n')
-  assert head.startswith(f'HTTP/1.0 {status} '.encode()), reply[:300]
+  assert re.match(rb'HTTP/1\.[01] %d ' % status, head), reply[:300]
   assert b'application/json' in head, head
   return json.loads(body)['error']
 
@@ -426,12 +426,42 @@ def test_bad_input_gets_json_errors(server, serving_module):
       (b'GARBAGE\r\n\r\n', 400, 'Bad'),
       (b'GET /' + b'a' * 70000 + b' HTTP/1.1\r\n\r\n', 414, 'URI'),
       (b'BREW /translate HTTP/1.1\r\n\r\n', 501, 'BREW'),
-      (b'GET /nothing HTTP/1.1\r\n\r\n', 404, 'no such path'),
+      (b'GET /nothing HTTP/1.1\r\nConnection: close\r\n\r\n', 404, 'no such path'),
       (b'POST /health HTTP/1.1\r\nContent-Length: 0\r\n\r\n', 405, 'GET it'),
   ]:
     assert fragment in json_error(server.raw(data), status), data[:60]
   status, body, _ = server.request('/translate', {'text': ['', '  ', 'A dog runs.']})
   assert status == 200 and body['translations'][:2] == ['', '']
+
+
+def test_persistent_connections(server, translator):
+  """An HTTP/1.1 client keeps its connection from one request to the next; an answer that
+  leaves the request's body unread says 'Connection: close' and closes it."""
+  lines = val_lines(3, start=60)
+  connection = http.client.HTTPConnection('127.0.0.1', server.port, timeout=300)
+  try:
+    sockets, replies = [], []
+    for line in lines:
+      connection.request('POST', '/translate', json.dumps({'text': [line]}),
+                         {'Content-Type': 'application/json'})
+      sockets.append(connection.sock)
+      response = connection.getresponse()
+      replies.append((response.status, json.loads(response.read()),
+                      response.getheader('Connection')))
+    assert sockets[0] is not None and sockets == [sockets[0]] * 3
+    assert replies == [(200, {'translations': translator.translate([x])}, None) for x in lines]
+    connection.request('PUT', '/elsewhere', b'{"text": ["A dog."]}')
+    response = connection.getresponse()
+    assert (response.status, response.getheader('Connection')) == (404, 'close')
+    assert 'no such path' in json.loads(response.read())['error']
+    assert connection.sock is None  # http.client closed it, as told.
+    connection.request('POST', '/translate', json.dumps({'text': lines[:1]}))
+    response = connection.getresponse()  # A new connection, answered as before.
+    assert (response.status, json.loads(response.read())) == (200, replies[0][1])
+  finally:
+    connection.close()
+  lines = server.log.lines(at_least=5)
+  assert len(lines) == 5 and not any('timed out' in x for x in lines), lines
 
 
 def test_clients_that_leave_and_connection_floods(serving_module, translator):
@@ -546,7 +576,7 @@ def test_sigterm_answers_every_request_begun(exported_jax, translator):
     slow.sendall(body[20:])
     reply = b''.join(iter(lambda: slow.recv(1 << 16), b''))
     head, _, answer = reply.partition(b'\r\n\r\n')
-    assert head.startswith(b'HTTP/1.0 200'), reply[:300]
+    assert re.match(rb'HTTP/1\.[01] 200 ', head), reply[:300]
     assert json.loads(answer) == {'translations': expected}
     for thread in threads:
       thread.join(300)
