@@ -279,6 +279,9 @@ def make_http_server(translator: ExportedTranslator, host: str, port: int, *,
   class Handler(BaseHTTPRequestHandler):
     # Persistent connections: a client's next request skips the connect and the new thread.
     protocol_version = 'HTTP/1.1'
+    # TCP_NODELAY: an answer's body goes out at once, not after the client's delayed ACK of its
+    # headers (tens of milliseconds on a connection kept open).
+    disable_nagle_algorithm = True
     timeout = READ_TIMEOUT_SECONDS  # Socket reads: a client that stops sending is let go.
     server: TranslationServer
     answered = 0  # Requests answered on this connection.

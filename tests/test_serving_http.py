@@ -449,6 +449,11 @@ def test_persistent_connections(server, translator):
       replies.append((response.status, json.loads(response.read()),
                       response.getheader('Connection')))
     assert sockets[0] is not None and sockets == [sockets[0]] * 3
+    # The server's end sends at once (TCP_NODELAY): else each answer's body waits for the
+    # client's delayed ACK of its headers on a connection kept open.
+    with server.http._lock:
+      (open_connection,) = server.http._connections
+    assert open_connection.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     assert replies == [(200, {'translations': translator.translate([x])}, None) for x in lines]
     connection.request('PUT', '/elsewhere', b'{"text": ["A dog."]}')
     response = connection.getresponse()
