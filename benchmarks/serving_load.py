@@ -19,11 +19,12 @@ Steps, one at a time on the same machine:
      (their order reversed every other round) per client count a warm-up of
      --warmup_seconds and --seconds measured. Each client sends one-sentence requests in a
      loop, the sentences taken in turn from --sentences, on one connection kept open as long
-     as the server keeps it (--connections per_request: a connection each). Per level: requests/s, sentences/s,
-     latency p50/p95/p99, errors (a failed request or a status other than 200) and
-     mismatches (a translation other than decode.py's), and from /health the batches and
-     searches the server ran. Each round's ratios use only numbers measured in that round
-     (a machine's speed drifts over minutes); the JSON's ratios are their medians.
+     as the server keeps it (--connections per_request: a connection each). Per level:
+     requests/s, sentences/s, latency p50/p95/p99, errors (a failed request or a status
+     other than 200) and mismatches (a translation other than decode.py's), and from
+     /health the batches and searches the server ran. Each round's ratios use only numbers
+     measured in that round (a machine's speed drifts over minutes); the JSON's ratios are
+     their medians.
   3. A soak of the batched server: --soak_clients clients for --soak_minutes, its resident
      memory (VmRSS) sampled every --sample_seconds; growth is the median of the last minute
      over the median of the second minute (the first is warm-up).
