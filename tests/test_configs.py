@@ -1,0 +1,34 @@
+"""The shipped recipes: every config and budget passes train.py's checks before compiling."""
+
+import importlib
+
+import jax
+import pytest
+
+from configs import multi30k, multi30k_rnn
+from nmt import config_check, optimization, sharding
+
+RECIPES = [('multi30k', 'quick'), ('multi30k', 'full'), ('multi30k_rnn', 'quick'),
+           ('multi30k_rnn', 'full'), ('tatoeba_de_en', None), ('wmt14_base', None),
+           ('wmt14_big', None), ('tiny', None)]
+
+
+@pytest.mark.parametrize('name,budget', RECIPES)
+def test_every_recipe_passes_the_config_checks(name, budget):
+  module = importlib.import_module(f'configs.{name}')
+  config = module.get_config(budget) if budget else module.get_config()
+  config_check.validate_config(config, sharding.make_mesh('', jax.devices()[:1]))
+
+
+def test_the_full_recipe_peaks_at_the_published_rate_and_the_rnn_keeps_its_own():
+  full = multi30k.get_config('full')
+  rate = optimization.learning_rate_schedule(full)
+  peak = float(rate(full.optimizer.warmup_steps - 1))  # Counts from 0: step 2,000.
+  assert peak == pytest.approx(0.005, rel=0.02)  # Wu et al.'s fairseq --lr 0.005.
+  assert float(rate(full.optimizer.warmup_steps - 2)) < peak > float(rate(full.num_train_steps))
+  # The Transformer-tiny's batch and rate are not the RNN's.
+  rnn_full, rnn_quick = multi30k_rnn.get_config('full'), multi30k_rnn.get_config()
+  assert rnn_full.num_train_steps == 9500
+  for group, key in (('data', 'batch_size'), ('optimizer', 'warmup_steps'),
+                     ('optimizer', 'learning_rate_scale')):
+    assert rnn_full[group][key] == rnn_quick[group][key], (group, key)
