@@ -76,7 +76,7 @@ def test_input_pipeline_benchmark_runs(tmp_path):
                                            '--warmup', '1', '--json', str(out)])
   assert json.loads(out.read_text()) == json.loads(json.dumps(results))
   assert (results['batch_size'], results['max_length'], results['vocab_size'],
-          results['num_shards'], results['pairs']) == (32, 64, 8000, 4, 29000)
+          results['num_shards'], results['pairs']) == (32, 64, 10000, 4, 29000)
   (run,) = results['runs']['1']
   assert run['batches_per_second'] > 0 and run['target_tokens_per_cpu_second'] > 0
   assert 0.85 <= run['packing_efficiency'] <= 1 and run['shards'] == [0, 3]
