@@ -1,13 +1,15 @@
 """Test BLEU against training minutes: every kept checkpoint of a run, translated and scored.
 
   python -m benchmarks.time_to_quality --workdir runs/multi30k_full [--split test_2016_flickr] \
-      [--every_steps 500] --json runs/multi30k_full/time_to_quality.json
+      [--every_steps 500] [--moving_average] --json runs/multi30k_full/time_to_quality.json
   python -m benchmarks.time_to_quality --plot curves.png A.json B.json ...
 
 The first form translates the split with each checkpoint in WORKDIR/checkpoints (train with
 `--config.keep_checkpoints=1000` to keep them all; `--every_steps N`: those at multiples of N,
 and the last) and with the average of the last
-`average_last_checkpoints`, beam search as the run's config says, and places each on the run's
+`average_last_checkpoints`, beam search as the run's config says (`--moving_average`: the moving
+average of the parameters kept in each checkpoint instead, and the newest one in place of the
+average, for a run decoded with `decode.py --checkpoint ema`), and places each on the run's
 training-minutes axis (train_minutes in metrics.jsonl: the loop's time less validation). It
 reports the minutes each BLEU threshold (30, 35, ...) was first reached at. The second form
 plots the curves of several such files next to the Flax WMT example's measured points on the
@@ -34,8 +36,7 @@ PEER_POINTS = [(20.0, 25.5), (35.0, 31.7), (50.0, 34.7)]
 THRESHOLDS = (30.0, 35.0, 38.0, 40.0, 42.0)
 # Wu et al. 2021's Transformer-tiny on test_2016_flickr, BLEU tok-lc (the papers' metric).
 PUBLISHED_TOK_LC = {'Wu et al. 2021, Transformer-tiny (41.02)': 41.02}
-METRICS = {'bleu': 'sacreBLEU (cased, single checkpoints)',
-           'bleu_tok_lc': "BLEU tok-lc (the Multi30k papers' metric, single checkpoints)"}
+METRICS = {'bleu': 'sacreBLEU (cased)', 'bleu_tok_lc': "BLEU tok-lc (the Multi30k papers' metric)"}
 
 
 def minutes_of_steps(workdir: str, steps: list[int]) -> list[float]:
@@ -52,10 +53,11 @@ def first_reaching(points: list[dict], threshold: float) -> float | None:
   return next((p['minutes'] for p in points if p['bleu'] >= threshold), None)
 
 
-def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
+def measure(workdir: str, split: str, every_steps: int = 0,
+            moving_average: bool = False) -> dict:
   sys.path.insert(0, REPO)
   import input_pipeline
-  from nmt import checkpoints, sharding
+  from nmt import checkpoints, legacy, sharding
 
   config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh()
@@ -69,22 +71,34 @@ def measure(workdir: str, split: str, every_steps: int = 0) -> dict:
     steps = [s for s in steps if s % every_steps == 0 or s == steps[-1]]
   minutes = minutes_of_steps(workdir, steps)
   points = []
+  if moving_average and not os.path.isdir(os.path.join(checkpoints.step_path(workdir, steps[-1]),
+                                                       'ema')):
+    raise SystemExit(f'error: the checkpoints of {workdir} hold no moving average of the '
+                     'parameters (trained without optimizer.ema_decay): drop --moving_average.')
   for step, at in zip(steps, minutes):
-    params, _ = runs.load_params(workdir, mesh, step)
+    if moving_average:
+      params = legacy.upgrade_params(checkpoints.read_checkpoint(
+          checkpoints.step_path(workdir, step), {'ema': sharding.replicated(mesh)},
+          step=step)['ema'])
+    else:
+      params, _ = runs.load_params(workdir, mesh, step)
     scores = scoring.score(translator(params, sources), references, lang)
     points.append({'step': step, 'minutes': at, 'bleu': scores['bleu'],
                    'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf'],
                    'bleu_tok_lc': scores['bleu_tok_lc']})
     print(json.dumps(points[-1]), flush=True)
-  count = min(config.average_last_checkpoints, len(checkpoints.saved_steps(workdir)))
-  params, origin = runs.load_params(workdir, mesh, None, count)
+  if moving_average:
+    params, origin = runs.load_params(workdir, mesh, 'ema')
+  else:
+    count = min(config.average_last_checkpoints, len(checkpoints.saved_steps(workdir)))
+    params, origin = runs.load_params(workdir, mesh, None, count)
   scores = scoring.score(translator(params, sources), references, lang)
   final = {'checkpoint': origin, 'minutes': minutes[-1], 'bleu': scores['bleu'],
            'bleu_lowercase': scores['bleu_lowercase'], 'chrf': scores['chrf'],
            'bleu_tok_lc': scores['bleu_tok_lc']}
   print(json.dumps(final), flush=True)
   return {'workdir': os.path.abspath(workdir), 'split': split, 'points': points,
-          'averaged': final,
+          'moving_average': moving_average, 'averaged': final,
           'minutes_to': {f'{t:g}': first_reaching(points, t) for t in THRESHOLDS}}
 
 
@@ -100,8 +114,10 @@ def plot(results: list[dict], labels: list[str], output: str, metric: str = 'ble
     curves[label] = (np.asarray([p['minutes'] for p in points]),
                      np.asarray([p[metric] for p in points]))
   tok_lc = metric == 'bleu_tok_lc'
+  kinds = {'moving averages' if r.get('moving_average') else 'single checkpoints'
+           for r in results}
   return plot_curves.plot_runs(
-      curves, output, f'{results[0]["split"]} {METRICS[metric]}',
+      curves, output, f'{results[0]["split"]} {METRICS[metric]}, {" and ".join(sorted(kinds))}',
       'Multi30k en-de: BLEU against training minutes',
       points=None if tok_lc else {'Flax WMT example (ANCHORS.md)': PEER_POINTS},
       levels=PUBLISHED_TOK_LC if tok_lc else None)
@@ -113,6 +129,9 @@ def main(argv=None):
   parser.add_argument('--split', default='test_2016_flickr')
   parser.add_argument('--every_steps', type=int, default=0,
                       help='Only the checkpoints at multiples of this (and the last).')
+  parser.add_argument('--moving_average', action='store_true',
+                      help="Each checkpoint's moving average of the parameters (a run trained "
+                      'with optimizer.ema_decay and decoded with --checkpoint ema).')
   parser.add_argument('--json', help='Write the measurement here.')
   parser.add_argument('--plot', help='PNG of the curves in the given JSON files.')
   parser.add_argument('--labels', help='Comma-separated labels for --plot (default: run names).')
@@ -135,7 +154,7 @@ def main(argv=None):
       parser.error(f'{len(labels)} labels for {len(results)} files.')
     print(f'wrote {plot(results, labels, args.plot, args.metric)}')
     return results
-  result = measure(args.workdir, args.split, args.every_steps)
+  result = measure(args.workdir, args.split, args.every_steps, args.moving_average)
   print(json.dumps(result['minutes_to']))
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:

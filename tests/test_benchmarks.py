@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,61 @@ def test_time_to_quality_scores_every_checkpoint(trained_run):
   minutes = [p['minutes'] for p in result['points']]
   assert 0 < minutes[0] < minutes[1]
   assert 'average of steps [200, 300]' in result['averaged']['checkpoint']
+
+
+@pytest.mark.slow  # Trains a run (about 20 s); the curve's arithmetic is in the fast set.
+def test_time_to_quality_moving_average_reads_each_checkpoints_average(tmp_path, monkeypatch,
+                                                                       one_device):
+  """--moving_average scores each checkpoint's moving average (not its parameters) and the
+  newest one in place of the last checkpoints' mean."""
+  import jax
+  import numpy as np
+  from conftest import needs_multi30k
+  from test_train import small_config
+
+  import train
+  from benchmarks import time_to_quality
+  from nmt import checkpoints
+  needs_multi30k()
+  config = small_config({'optimizer.ema_decay': 0.9, 'num_train_steps': 6,
+                         'checkpoint_every_steps': 3, 'eval.every_steps': 1000,
+                         'eval.bleu_sentences': 0})
+  run = str(tmp_path / 'run')
+  train.train_and_evaluate(config, run)
+  sources = ['A dog runs.', 'Two men walk on the beach.']
+  monkeypatch.setattr(ip, 'read_split', lambda config, split: (sources, sources))
+  seen = []
+
+  class Recording:  # Records which parameters each translation used; echoes the sources.
+    def __init__(self, *args, **kwargs):
+      pass
+
+    def __call__(self, params, texts):
+      seen.append(jax.device_get(params))
+      return list(texts)
+
+  monkeypatch.setattr(time_to_quality.translator_lib, 'Translator', Recording)
+  result = time_to_quality.measure(run, 'val', moving_average=True)
+  assert [p['step'] for p in result['points']] == [3, 6] and result['moving_average']
+  assert result['points'][0]['bleu'] == pytest.approx(100.0)  # The echo scores itself.
+  assert 'moving average at step 6' in result['averaged']['checkpoint']
+
+  def leaves(tree):
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(tree)]
+
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  for step, used in zip((3, 6, 6), seen):
+    saved = checkpoints.read_checkpoint(checkpoints.step_path(run, step),
+                                        {'ema': device, 'params': device})
+    for a, b in zip(leaves(used), leaves(saved['ema'])):
+      np.testing.assert_array_equal(a, b)
+    assert any(not np.allclose(a, r) for a, r in zip(leaves(used), leaves(saved['params'])))
+  without = tmp_path / 'without'  # The same run as if trained without a moving average.
+  shutil.copytree(run, without)
+  for step in (3, 6):
+    shutil.rmtree(Path(checkpoints.step_path(str(without), step)) / 'ema')
+  with pytest.raises(SystemExit, match='drop --moving_average'):
+    time_to_quality.measure(str(without), 'val', moving_average=True)
 
 
 def test_decode_batches_accounts_for_every_sentence_and_its_idle_rows(tmp_path):
