@@ -36,7 +36,7 @@ PEER_POINTS = [(20.0, 25.5), (35.0, 31.7), (50.0, 34.7)]
 THRESHOLDS = (30.0, 35.0, 38.0, 40.0, 42.0)
 # Wu et al. 2021's Transformer-tiny on test_2016_flickr, BLEU tok-lc (the papers' metric).
 PUBLISHED_TOK_LC = {'Wu et al. 2021, Transformer-tiny (41.02)': 41.02}
-METRICS = {'bleu': 'sacreBLEU (cased)', 'bleu_tok_lc': "BLEU tok-lc (the Multi30k papers' metric)"}
+METRICS = {'bleu': 'sacreBLEU (cased)', 'bleu_tok_lc': "BLEU tok-lc (Multi30k papers' metric)"}
 
 
 def minutes_of_steps(workdir: str, steps: list[int]) -> list[float]:
@@ -117,7 +117,7 @@ def plot(results: list[dict], labels: list[str], output: str, metric: str = 'ble
   kinds = {'moving averages' if r.get('moving_average') else 'single checkpoints'
            for r in results}
   return plot_curves.plot_runs(
-      curves, output, f'{results[0]["split"]} {METRICS[metric]}, {" and ".join(sorted(kinds))}',
+      curves, output, f'{results[0]["split"]} {METRICS[metric]}\n{" and ".join(sorted(kinds))}',
       'Multi30k en-de: BLEU against training minutes',
       points=None if tok_lc else {'Flax WMT example (ANCHORS.md)': PEER_POINTS},
       levels=PUBLISHED_TOK_LC if tok_lc else None)
