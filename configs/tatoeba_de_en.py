@@ -7,7 +7,8 @@
 
 The folder holds aligned `{train,valid,test}.{de,en}` files (on these machines
 ../shared/data/tatoeba_deu_small: 45k training pairs of at most 7 English words).
-BENCHMARKS.md has what it reaches on the test split.
+BENCHMARKS.md has what it reaches on the test split, with the default recipe as it was measured
+there (an 8k vocabulary, FFN 1024, 2,000 steps).
 """
 
 import ml_collections
