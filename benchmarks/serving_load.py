@@ -24,7 +24,10 @@ Steps, one at a time on the same machine:
      other than 200) and mismatches (a translation other than decode.py's), and from
      /health the batches and searches the server ran. Each round's ratios use only numbers
      measured in that round (a machine's speed drifts over minutes); the JSON's ratios are
-     their medians.
+     their medians. After the clients, the pool's ceiling (--ceiling_seconds): the slot pool
+     in one process with as many slots as the most clients, then 128, kept full by one thread
+     (an ended sentence replaced at once; no clients, no HTTP): what the pool's own search
+     gives at that many sentences in flight.
   3. A soak of the batched server: --soak_clients clients for --soak_minutes, its resident
      memory (VmRSS) sampled every --sample_seconds; growth is the median of the last minute
      over the median of the second minute (the first is warm-up).
@@ -70,6 +73,44 @@ for _ in range(2):
 with open(output, 'w', encoding='utf-8') as f:
   json.dump({'first_call_s': times[0], 'second_call_s': times[1],
              'translations': translations}, f)
+"""
+
+# The slot pool's ceiling: `slots` slots kept full by one thread, each ended sentence replaced
+# by the next at once (no clients, no HTTP, no wait between an answer and the next request).
+POOL_CEILING = """
+import json, sys, time
+import jax
+import serving_batcher, serving_translator
+folder, source, slots, seconds, steps = sys.argv[1:6]
+slots, seconds, steps = int(slots), float(seconds), int(steps)
+translator = serving_translator.ExportedTranslator(folder)
+ids = translator.encode([line.rstrip('\\n') for line in open(source, encoding='utf-8')])
+ids = [x for x in ids if len(x) > 1 and len(x) <= translator.manifest['pool']['width']]
+pool = serving_batcher.SlotPool(translator, steps)
+pool.warm_up()
+admitted = 0
+def fill():
+  global admitted
+  count = slots - pool.running
+  if count:
+    pool.admit([(admitted + i, ids[(admitted + i) % len(ids)]) for i in range(count)])
+    jax.block_until_ready(pool.state)
+    admitted += count
+fill()
+ended = calls = 0
+admitting = 0.0
+start = time.perf_counter()
+while time.perf_counter() - start < seconds:
+  ended += len(pool.step())
+  calls += 1
+  mark = time.perf_counter()
+  fill()
+  admitting += time.perf_counter() - mark
+elapsed = time.perf_counter() - start
+print(json.dumps({'slots': slots, 'steps_per_call': steps, 'sentences_per_s': ended / elapsed,
+                  'ms_per_call': 1000 * elapsed / calls, 'admission_ms_per_call':
+                  1000 * admitting / calls, 'slot_steps_per_sentence':
+                  slots * steps * calls / max(ended, 1)}))
 """
 
 # The buckets a sentence of n tokens falls in, as serving.py's ExportedTranslator chooses.
@@ -143,6 +184,17 @@ def batch_throughput(args: argparse.Namespace, scratch: str) -> dict[str, Any]:
           'translator_second_call_s': steady['second_call_s'],
           'batch_sentences_per_s': len(steady['translations']) / steady['second_call_s'],
           'translations': steady['translations']}
+
+
+def pool_ceiling(args: argparse.Namespace, slots: int) -> dict[str, Any]:
+  """The slot pool of --model with `slots` slots kept full for --ceiling_seconds (POOL_CEILING):
+  what the pool gives at that many sentences in flight before any client or HTTP cost."""
+  result = subprocess.run([sys.executable, '-c', POOL_CEILING, os.path.abspath(args.model),
+                           os.path.abspath(args.sentences), str(slots), str(args.ceiling_seconds),
+                           '2'], cwd=args.model, capture_output=True, timeout=3600)
+  if result.returncode:
+    raise RuntimeError(f'the pool ceiling failed: {result.stderr.decode()[-2000:]}')
+  return json.loads(result.stdout.decode().strip().splitlines()[-1])
 
 
 class Server:
@@ -383,6 +435,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument('--rounds', type=int, default=2,
                       help="rounds of decode.py's batch throughput and every server's levels")
   parser.add_argument('--warmup_seconds', type=float, default=10)
+  parser.add_argument('--ceiling_seconds', type=float, default=15,
+                      help="each round: the slot pool kept full, with as many slots as the "
+                      "most clients and with 128, this long each (0: not measured)")
   parser.add_argument('--soak_minutes', type=float, default=10)
   parser.add_argument('--soak_clients', type=int, default=8)
   parser.add_argument('--sample_seconds', type=float, default=10)
@@ -446,6 +501,12 @@ def main(argv: list[str] | None = None) -> None:
         results['servers'][name]['rounds'].append(levels[name])
       results['rounds'].append({'decode_batch_sentences_per_s': batch,
                                 'ratios': ratios(levels, batch, str(max(clients)))})
+      if args.ceiling_seconds > 0:
+        ceiling = {str(n): pool_ceiling(args, n) for n in sorted({max(clients), 128})}
+        results['rounds'][-1]['pool_ceiling'] = ceiling
+        for n, numbers in ceiling.items():
+          results['rounds'][-1]['ratios'][f'pool_ceiling_{n}_slots_vs_decode_batch'] = (
+              numbers['sentences_per_s'] / batch)
       print(f'round {round_index + 1}', json.dumps(results['rounds'][-1]), file=sys.stderr,
             flush=True)
   finally:
