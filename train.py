@@ -234,13 +234,6 @@ def parse_flags(argv: list[str]) -> list[str]:
     exit_on_unknown_config_key(error)
 
 
-def is_lost_peer(error: BaseException) -> bool:
-  """Whether a collective failed because a peer process went away (gloo on CPUs says so in
-  its message; the coordination service's heartbeat reports it too, by aborting)."""
-  return any(text in str(error)
-             for text in ('Connection closed by peer', 'Connection reset by peer'))
-
-
 def out_of_space_message(workdir: str) -> str:
   try:
     steps = checkpoints.saved_steps(workdir)
@@ -286,7 +279,7 @@ def main(argv):
     if jax.process_count() == 1:
       raise
     traceback.print_exc()
-    if is_lost_peer(error):
+    if console.is_lost_peer(error):
       fail(f'process {jax.process_index()} lost another process of this run mid-step (it died '
            f'or its host dropped off the network): {error}. Restart every process with the same '
            'command to resume from the last checkpoint.')

@@ -30,6 +30,7 @@ os.environ.setdefault('TF_ENABLE_ONEDNN_OPTS', '0')
 _EXPECTED_LIBRARY_WARNINGS = ('Using custom data configuration', 'has no dataset_info.json')
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _NO_SPACE_TEXTS = ('No space left on device', 'Disk quota exceeded', 'File too large')
+_LOST_PEER_TEXTS = ('Connection closed by peer', 'Connection reset by peer')
 
 
 def is_out_of_space(error: BaseException | None) -> bool:
@@ -44,6 +45,13 @@ def is_out_of_space(error: BaseException | None) -> bool:
       return True
     error = error.__cause__ or error.__context__
   return False
+
+
+def is_lost_peer(error: BaseException) -> bool:
+  """Whether a collective failed because a peer process went away mid-step (gloo, the CPUs'
+  collectives, says so in its error; otherwise the coordination service's heartbeat notices,
+  by aborting the process)."""
+  return any(text in str(error) for text in _LOST_PEER_TEXTS)
 
 
 def _from_project(record: std_logging.LogRecord) -> bool:
