@@ -25,6 +25,7 @@ def get_config():
   config.model.max_len = 128
   config.optimizer.warmup_steps = 10
   config.optimizer.cooldown_fraction = 0.0
+  config.optimizer.ema_decay = 0.0
   config.optimizer.learning_rate_scale = 2.0
   config.checkpoint_every_steps = 10
   config.keep_checkpoints = 3

@@ -1,4 +1,5 @@
-"""End to end on real Multi30k text: train, average checkpoints, translate, score with sacreBLEU.
+"""End to end on real Multi30k text: train, average checkpoints (or take the moving average),
+translate, score with sacreBLEU.
 
 Both are marked slow (the small model trains for minutes, the other runs the README's
 default recipe); the fast set's learning claim is the copy task in tests/test_train.py.
@@ -25,10 +26,12 @@ pytestmark = pytest.mark.skipif(
 def train_translate_score(config, workdir, num_sentences):
   result = train.train_and_evaluate(config, workdir)
   assert result['step'] == config.num_train_steps
-  checkpoints.save_averaged(workdir, config.average_last_checkpoints)
+  which = 'ema' if config.optimizer.ema_decay else 'averaged'  # What the recipe decodes.
+  if which == 'averaged':
+    checkpoints.save_averaged(workdir, config.average_last_checkpoints)
   run_config, tokenizer, model = runs.load_run(workdir)
   translator = translator_lib.Translator(model, tokenizer, run_config.decode, sharding.make_mesh())
-  params, _ = runs.load_params(workdir, translator.mesh, 'averaged')
+  params, _ = runs.load_params(workdir, translator.mesh, which)
   sources, references = input_pipeline.read_split(run_config, run_config.data.test_split)
   hypotheses = translator(params, sources[:num_sentences])
   assert len(hypotheses) == num_sentences
