@@ -150,7 +150,8 @@ def define_flags():
   flags.DEFINE_string('targets', None, "Translations to read instead of translating, '|'-"
                       'separated (one per sentence).')
   flags.DEFINE_string('output_dir', None, 'Where the PNG and .npz files go.')
-  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', or the newest (default).")
+  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema', or the newest "
+                      '(default).')
   flags.DEFINE_integer('beam_size', None, 'Beam size (default: the run\'s).', lower_bound=1)
   flags.mark_flags_as_required(['workdir', 'output_dir'])
 
