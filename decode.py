@@ -215,7 +215,9 @@ def define_flags():
                     "When a sentence's search ends (default: the run config): 'exact' once no "
                     "live hypothesis can win, 'early' once none would by ending next step.")
   flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best' (by the validation "
-                      "metric), 'ema' (the newest moving average), or the newest if unset.")
+                      "metric), 'ema' (the newest moving average); unset: the newest moving "
+                      "average if the newest checkpoint holds one (optimizer.ema_decay), else "
+                      'the newest checkpoint.')
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
   flags.DEFINE_bool('score_reference', False, "Score the references (--reference, or the "
                     "split's) instead of translating: each line's log-probability, or with "

@@ -1,7 +1,7 @@
 """Turns a trained run into something that translates without this project's training stack.
 
   python export.py --workdir runs/multi30k --format jax --output runs/multi30k/exported \
-      [--checkpoint STEP | --checkpoint averaged | --average_last N]
+      [--checkpoint STEP | --checkpoint averaged|best|ema | --average_last N]
   python export.py --workdir runs/multi30k --format ctranslate2 --output runs/multi30k/ct2 \
       [--quantization int8]
 
@@ -352,8 +352,9 @@ def define_flags():
   flags.DEFINE_bool('overwrite', False, 'Replace the contents of a non-empty --output folder.')
   flags.DEFINE_enum('format', 'jax', FORMATS, 'What to export to (jax: serving.py in the folder '
                     'needs jax, numpy, sentencepiece and flatbuffers).')
-  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema', or the newest "
-                      'if unset.')
+  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema'; unset: the "
+                      'newest moving average if the newest checkpoint holds one, else the '
+                      'newest checkpoint.')
   flags.DEFINE_integer('average_last', 0, 'Average the newest N checkpoints.', lower_bound=0)
   flags.DEFINE_enum('platform', 'cpu', ['cpu', 'cuda', 'tpu'],
                     'What the exported jax programs run on (--format jax).')

@@ -2,7 +2,7 @@
 
   python plot_attention.py --workdir runs/multi30k --sentences "A man is riding a bike ." \
       --output_dir runs/multi30k/attention [--input FILE] [--targets "..."] \
-      [--checkpoint STEP | --checkpoint averaged] [--beam_size 4]
+      [--checkpoint STEP | --checkpoint averaged|best|ema] [--beam_size 4]
 
 Each sentence is translated (beam search, as decode.py), then the model reads the source and
 its translation once more, teacher-forced, recording every attention's weights. Or, with
@@ -150,8 +150,9 @@ def define_flags():
   flags.DEFINE_string('targets', None, "Translations to read instead of translating, '|'-"
                       'separated (one per sentence).')
   flags.DEFINE_string('output_dir', None, 'Where the PNG and .npz files go.')
-  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema', or the newest "
-                      '(default).')
+  flags.DEFINE_string('checkpoint', None, "A step, 'averaged', 'best', 'ema'; unset: the "
+                      'newest moving average if the newest checkpoint holds one, else the '
+                      'newest checkpoint.')
   flags.DEFINE_integer('beam_size', None, 'Beam size (default: the run\'s).', lower_bound=1)
   flags.mark_flags_as_required(['workdir', 'output_dir'])
 

@@ -397,6 +397,13 @@ def _read_params_folder(workdir: str, name: str, target: Any) -> tuple[Any, dict
                                  f'{how}.') from None
 
 
+def newest_holds_ema(workdir: str) -> bool:
+  """Whether the run's newest checkpoint holds a moving average of the parameters (the run
+  was trained, or last resumed, with `optimizer.ema_decay`)."""
+  steps = saved_steps(workdir)
+  return bool(steps) and os.path.isdir(os.path.join(step_path(workdir, steps[-1]), 'ema'))
+
+
 def _read_ema(workdir: str, target: Any) -> tuple[Any, str]:
   """The moving average of the newest intact checkpoint that has one."""
   with_ema = [s for s in saved_steps(workdir) if os.path.isdir(os.path.join(

@@ -39,7 +39,14 @@ def load_run(workdir: str) -> tuple[ml_collections.ConfigDict, Tokenizer, Transf
 def load_params(workdir: str, mesh: Mesh, checkpoint: str | int | None = None,
                 average: int = 0) -> tuple[Any, str]:
   """The run's parameters replicated over `mesh`, and where they came from
-  (`checkpoints.load_params`), in the current parameter layout (`legacy.upgrade_params`)."""
+  (`checkpoints.load_params`), in the current parameter layout (`legacy.upgrade_params`).
+
+  With neither `checkpoint` nor `average`: what the run's recipe decodes, its newest moving
+  average of the parameters when the newest checkpoint holds one (`optimizer.ema_decay`), else
+  the newest checkpoint's parameters.
+  """
+  if checkpoint is None and not average and checkpoints.newest_holds_ema(workdir):
+    checkpoint = 'ema'
   params, origin = checkpoints.load_params(workdir, checkpoint, average,
                                            target=sharding.replicated(mesh))
   return legacy.upgrade_params(params), origin

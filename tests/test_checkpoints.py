@@ -20,7 +20,7 @@ from conftest import built_once, one_device_meshes
 import train
 from configs import tiny
 from model import Transformer, TransformerConfig
-from nmt import checkpoints, checksums, loop_control, optimization, sharding, train_state
+from nmt import checkpoints, checksums, loop_control, optimization, runs, sharding, train_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MULTI30K = os.environ.get('MULTI30K_DIR', '')
@@ -255,6 +255,30 @@ def test_init_params_from_starts_a_fresh_run_from_another_runs_parameters(run, t
   with pytest.raises(checkpoints.CheckpointMismatchError, match=r'init_params_from.*saved'):
     restore_for_training(run_config(model__d_ff=48), str(tmp_path / 'other'),
                          init_params_from=run)
+
+
+@needs_multi30k
+def test_decoding_without_a_checkpoint_takes_the_moving_average_when_the_newest_holds_one(
+    tmp_path, one_device):
+  """decode.py, export.py and plot_attention.py without --checkpoint translate with what the
+  recipe decodes: the newest moving average when the run keeps one, else the newest step."""
+  run = str(tmp_path / 'run')
+  train.train_and_evaluate(run_config(num_train_steps=4, optimizer__ema_decay=0.9), run)
+  mesh = sharding.make_mesh()
+  default, origin = runs.load_params(run, mesh)
+  ema, ema_origin = runs.load_params(run, mesh, 'ema')
+  raw, raw_origin = runs.load_params(run, mesh, 4)
+  assert origin == ema_origin == 'moving average at step 4' and raw_origin == 'step 4'
+  for got, want in zip(leaves(default), leaves(ema)):
+    np.testing.assert_array_equal(got, want)
+  assert any(not np.allclose(got, r) for got, r in zip(leaves(default), leaves(raw)))
+  assert runs.load_params(run, mesh, average=2)[1] == 'average of steps [2, 4]'
+  # Resumed without the moving average: the newest checkpoint holds none, so its parameters.
+  shutil.rmtree(os.path.join(checkpoints.step_path(run, 4), 'ema'))
+  params, origin = runs.load_params(run, mesh)
+  assert origin == 'step 4'
+  for got, want in zip(leaves(params), leaves(raw)):
+    np.testing.assert_array_equal(got, want)
 
 
 # ----------------------------------------------------------------------------- resumes
