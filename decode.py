@@ -5,7 +5,7 @@
       [--stopping exact|early] [--min_length N] [--output_format text|json] \
       [--target_prefix prefixes.txt] \
       [--checkpoint STEP | --checkpoint averaged|best|ema | --average_last N] \
-      [--ensemble RUN2[:STEP|:averaged],RUN3 [--ensemble_weights 1,1,1]]
+      [--ensemble RUN2[:STEP|:averaged|:best|:ema],RUN3 [--ensemble_weights 1,1,1]]
   python decode.py --workdir runs/multi30k --split test_2016_flickr   # a dataset split
 
 `-` reads stdin / writes stdout; from a pipe or a terminal each line is translated as soon as
@@ -199,8 +199,9 @@ def define_flags():
   flags.DEFINE_integer('nbest', 1, 'Translations per sentence (<= beam size).', lower_bound=1)
   flags.DEFINE_integer('batch_tokens', None, 'Source tokens per batch.', lower_bound=1)
   flags.DEFINE_string('ensemble', None, "Runs decoded together with --workdir's model as one "
-                      "ensemble: RUN, RUN:STEP or RUN:averaged, comma-separated (the "
-                      "next token's log-probabilities are the members' weighted mean).")
+                      "ensemble: RUN (as without --checkpoint), RUN:STEP, RUN:averaged, RUN:best "
+                      "or RUN:ema, comma-separated (the next token's log-probabilities are the "
+                      "members' weighted mean).")
   flags.DEFINE_string('ensemble_weights', None, 'Comma-separated weights, --workdir first '
                       '(default: equal).')
   flags.DEFINE_string('target_prefix', None, 'A file of target prefixes, one per input line (an '
