@@ -29,6 +29,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
     config.num_train_steps = 2000
     config.optimizer.cooldown_fraction = 0.25
     config.optimizer.ema_decay = 0.0
+  config.decode.alpha = 0.6  # Its measured decode.
   # model.make_model(config.model): every field of RNNConfig.
   config.model = ml_collections.ConfigDict()
   config.model.architecture = 'rnn'

@@ -36,6 +36,7 @@ def get_config():
   config.checkpoint_every_steps = 2000
   config.keep_checkpoints = 5
   config.average_last_checkpoints = 5
+  config.decode.alpha = 0.6  # The paper's length penalty.
   config.log_every_steps = 100
   config.eval.every_steps = 2000
   config.eval.bleu_every_steps = 10_000
