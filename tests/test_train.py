@@ -96,13 +96,13 @@ def test_cooldown_ramps_the_paper_rate_down_to_zero_at_the_last_step():
 
 def test_a_run_shortened_on_the_command_line_keeps_its_cooldown_share():
   """A cooldown is a share of the run: --config.num_train_steps=60 alone gives a valid config
-  whose last 15 steps cool down (configs/tatoeba_de_en.py cools over the last quarter)."""
-  from configs import multi30k, tatoeba_de_en
+  whose last 15 steps cool down (configs/multi30k_rnn.py cools over the last quarter)."""
+  from configs import multi30k, multi30k_rnn
   config = multi30k.get_config()
   config.num_train_steps = 60
   config_check.validate_config(config, sharding.make_mesh())
   assert optimization.cooldown_steps(config) == 0  # The recipe decays to the end.
-  config = tatoeba_de_en.get_config()
+  config = multi30k_rnn.get_config()
   config.num_train_steps = 60
   config_check.validate_config(config, sharding.make_mesh())
   assert optimization.cooldown_steps(config) == 15
