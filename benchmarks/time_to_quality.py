@@ -1,15 +1,17 @@
 """Test BLEU against training minutes: every kept checkpoint of a run, translated and scored.
 
   python -m benchmarks.time_to_quality --workdir runs/multi30k_full [--split test_2016_flickr] \
-      [--every_steps 500] [--moving_average] --json runs/multi30k_full/time_to_quality.json
+      [--every_steps 500] [--moving_average] [--alpha A] \
+      --json runs/multi30k_full/time_to_quality.json
   python -m benchmarks.time_to_quality --plot curves.png A.json B.json ...
 
 The first form translates the split with each checkpoint in WORKDIR/checkpoints (train with
 `--config.keep_checkpoints=1000` to keep them all; `--every_steps N`: those at multiples of N,
-and the last) and with the average of the last
-`average_last_checkpoints`, beam search as the run's config says (`--moving_average`: the moving
-average of the parameters kept in each checkpoint instead, and the newest one in place of the
-average, for a run decoded with `decode.py --checkpoint ema`), and places each on the run's
+and the last) and with the average of the last `average_last_checkpoints`, beam search as the
+run's config says (`--alpha`: another length penalty, as `decode.py --alpha`;
+`--moving_average`: the moving average of the parameters kept in each checkpoint instead, and
+the newest one in place of the average, for a run decoded with `decode.py --checkpoint ema`),
+and places each on the run's
 training-minutes axis (train_minutes in metrics.jsonl: the loop's time less validation). It
 reports the minutes each BLEU threshold (30, 35, ...) was first reached at. The second form
 plots the curves of several such files next to the Flax WMT example's measured points on the
@@ -54,7 +56,7 @@ def first_reaching(points: list[dict], threshold: float) -> float | None:
 
 
 def measure(workdir: str, split: str, every_steps: int = 0,
-            moving_average: bool = False) -> dict:
+            moving_average: bool = False, alpha: float | None = None) -> dict:
   sys.path.insert(0, REPO)
   import input_pipeline
   from nmt import checkpoints, legacy, sharding
@@ -62,7 +64,7 @@ def measure(workdir: str, split: str, every_steps: int = 0,
   config, tokenizer, model = runs.load_run(workdir)
   mesh = sharding.make_mesh()
   sources, references = input_pipeline.read_split(config, split)
-  translator = translator_lib.Translator(model, tokenizer, config.decode, mesh)
+  translator = translator_lib.Translator(model, tokenizer, config.decode, mesh, alpha=alpha)
   lang = config.data.target_lang
   steps = checkpoints.saved_steps(workdir)
   if not steps:
@@ -99,6 +101,7 @@ def measure(workdir: str, split: str, every_steps: int = 0,
   print(json.dumps(final), flush=True)
   return {'workdir': os.path.abspath(workdir), 'split': split, 'points': points,
           'moving_average': moving_average, 'averaged': final,
+          'alpha': config.decode.alpha if alpha is None else alpha,
           'minutes_to': {f'{t:g}': first_reaching(points, t) for t in THRESHOLDS}}
 
 
@@ -132,6 +135,8 @@ def main(argv=None):
   parser.add_argument('--moving_average', action='store_true',
                       help="Each checkpoint's moving average of the parameters (a run trained "
                       'with optimizer.ema_decay and decoded with --checkpoint ema).')
+  parser.add_argument('--alpha', type=float, default=None,
+                      help="Length-penalty exponent (default: the run's decode.alpha).")
   parser.add_argument('--json', help='Write the measurement here.')
   parser.add_argument('--plot', help='PNG of the curves in the given JSON files.')
   parser.add_argument('--labels', help='Comma-separated labels for --plot (default: run names).')
@@ -154,7 +159,7 @@ def main(argv=None):
       parser.error(f'{len(labels)} labels for {len(results)} files.')
     print(f'wrote {plot(results, labels, args.plot, args.metric)}')
     return results
-  result = measure(args.workdir, args.split, args.every_steps, args.moving_average)
+  result = measure(args.workdir, args.split, args.every_steps, args.moving_average, args.alpha)
   print(json.dumps(result['minutes_to']))
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:

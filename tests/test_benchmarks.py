@@ -261,15 +261,17 @@ def test_time_to_quality_moving_average_reads_each_checkpoints_average(tmp_path,
   seen = []
 
   class Recording:  # Records which parameters each translation used; echoes the sources.
-    def __init__(self, *args, **kwargs):
-      pass
+    def __init__(self, *args, alpha=None, **kwargs):
+      alphas.append(alpha)
 
     def __call__(self, params, texts):
       seen.append(jax.device_get(params))
       return list(texts)
 
+  alphas = []
   monkeypatch.setattr(time_to_quality.translator_lib, 'Translator', Recording)
-  result = time_to_quality.measure(run, 'val', moving_average=True)
+  result = time_to_quality.measure(run, 'val', moving_average=True, alpha=1.7)
+  assert alphas == [1.7] and result['alpha'] == 1.7  # --alpha reaches the beam search.
   assert [p['step'] for p in result['points']] == [3, 6] and result['moving_average']
   assert result['points'][0]['bleu'] == pytest.approx(100.0)  # The echo scores itself.
   assert 'moving average at step 6' in result['averaged']['checkpoint']
