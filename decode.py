@@ -1,7 +1,7 @@
 """Translates text with a trained run: beam search, length-sorted batches, sacreBLEU/chrF.
 
   python decode.py --workdir runs/multi30k --input src.txt --output hyp.txt \
-      [--reference ref.txt] [--beam_size 4] [--alpha 0.6] [--nbest N] [--batch_tokens N] \
+      [--reference ref.txt] [--beam_size 4] [--alpha 1.3] [--nbest N] [--batch_tokens N] \
       [--stopping exact|early] [--min_length N] [--output_format text|json] \
       [--target_prefix prefixes.txt] \
       [--checkpoint STEP | --checkpoint averaged|best|ema | --average_last N] \
