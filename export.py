@@ -204,9 +204,10 @@ def export_ctranslate2(workdir: str, params: Any, output_dir: str,
                        quantization: str | None = None) -> None:
   """Writes a CTranslate2 model folder of the run's model with `params` into output_dir.
 
-  The folder holds model.bin, the shared vocabulary (the sentencepiece pieces in id order) and
-  a copy of tokenizer.model. CTranslate2 starts decoding from piece 0 (our start symbol), adds
-  EOS to each source (as our encoder sees it) and reads our positional table as given.
+  The folder holds model.bin, the vocabularies (the sentencepiece pieces in id order; the
+  target's stops where the output layer does) and a copy of tokenizer.model. CTranslate2
+  starts decoding from piece 0 (our start symbol), adds EOS to each source (as our encoder
+  sees it) and reads our positional table as given.
   """
   if importlib.util.find_spec('ctranslate2') is None:
     raise ValueError("--format ctranslate2 needs the ctranslate2 package: pip install -e "
@@ -269,11 +270,16 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
     linear(target.linear_1, ours['output'], inputs=config.d_ff)
     norm(target.layer_norm, norm_params)
 
+  # The target side holds the pieces the output layer scores (every one unless
+  # config.output_vocab_size says fewer): the decoder reads only pieces it wrote.
+  outputs = config.num_outputs
   if config.share_embeddings:
     source_table = target_table = output = f32(params['embed']['embedding'])
+    if outputs < config.vocab_size:
+      target_table = output = f32(source_table[:outputs])
   else:
     source_table = f32(params['source_embed']['embedding'])
-    target_table = f32(params['target_embed']['embedding'])
+    target_table = f32(params['target_embed']['embedding'])[:outputs]
     output = kernel(params['output_projection'])
   if config.positional == 'sinusoidal':  # Room for CTranslate2's longer default length limits.
     positions = sinusoidal_table(max(config.max_len, 1024), d)
@@ -301,7 +307,7 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
     norm(spec.encoder.layer_norm, params['encoder']['norm'])
     norm(spec.decoder.layer_norm, params['decoder']['norm'])
   spec.register_source_vocabulary(pieces)
-  spec.register_target_vocabulary(pieces)
+  spec.register_target_vocabulary(pieces[:outputs])
   spec.config.unk_token, spec.config.eos_token = pieces[UNK_ID], pieces[EOS_ID]
   spec.config.bos_token = spec.config.decoder_start_token = pieces[PAD_ID]
   spec.config.add_source_eos = True  # Our encoder sees every source end in EOS.

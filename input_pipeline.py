@@ -16,6 +16,7 @@ from typing import NamedTuple
 import numpy as np
 from absl import logging
 
+from model.tokens import EOS_ID
 from nmt import batching, legacy
 from nmt import tokenizer as tokenizer_lib
 from nmt.data_sources import MULTI30K_ENV, PairSource, open_split, wait_for  # noqa: F401
@@ -69,8 +70,10 @@ def tokenizer_sample(config) -> list[str]:
 
 def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0) -> Tokenizer:
   """Loads workdir/tokenizer.model, or trains it on `tokenizer_sample(config)`: a vocabulary of
-  config.model.vocab_size, the same bytes from the same data and seed. Only process 0 trains
-  (and prepares the data for it); the others wait for the file (workdir is shared by all)."""
+  config.model.vocab_size, the same bytes from the same data and seed; with
+  `data.target_pieces_first`, renumbered so that the pieces of the training targets come first
+  (`output_vocab_size`). Only process 0 trains (and prepares the data for it); the others wait
+  for the file (workdir is shared by all)."""
   path = os.path.join(workdir, 'tokenizer.model')
   vocab_size = config.model.vocab_size
   if os.path.isfile(path):
@@ -80,8 +83,13 @@ def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0) -> 
   else:
     texts = tokenizer_sample(config)
     os.makedirs(workdir, exist_ok=True)
+    model = tokenizer_lib.train(texts, vocab_size)
+    if config.data.target_pieces_first:  # Of every training target, sampled or not.
+      _, targets = read_split(config, config.data.train_split)
+      ids = Tokenizer(tokenizer_lib.processor(model)).encode(targets)
+      model = tokenizer_lib.put_first(model, np.unique(np.concatenate(ids)).tolist())
     tmp = f'{path}.tmp{os.getpid()}'
-    Path(tmp).write_bytes(tokenizer_lib.train(texts, vocab_size))
+    Path(tmp).write_bytes(model)
     os.replace(tmp, path)  # Atomic: a waiting process never sees half a file.
     logging.info('Trained %d-piece BPE tokenizer on %d sentences: %s', vocab_size, len(texts), path)
   tokenizer = load_tokenizer(path)
@@ -89,6 +97,24 @@ def load_or_train_tokenizer(config, workdir: str, *, process_index: int = 0) -> 
     raise DataError(f'{path} has {tokenizer.vocab_size} pieces but config.model.vocab_size is '
                     f'{vocab_size}: use a new workdir, or set the vocabulary size to match.')
   return tokenizer
+
+
+# The output layer's size is rounded up to a multiple of this: matrix products and the CPU
+# beam search's vocabulary blocks (model/cpu/decoding.py) take such widths without padding.
+OUTPUT_VOCAB_MULTIPLE = 128
+
+
+def output_vocab_size(config, tokenizer: Tokenizer, *, process_index: int = 0) -> int:
+  """How many ids the model's output layer must score so that it covers every piece of every
+  training target: the largest such id + 1, rounded up to OUTPUT_VOCAB_MULTIPLE (at most the
+  vocabulary). With `data.target_pieces_first` the tokenizer numbers those pieces first."""
+  _, targets = read_split(config, config.data.train_split, process_index=process_index)
+  largest = max((int(ids.max()) for ids in tokenizer.encode(targets)), default=EOS_ID)
+  size = min(-(-(largest + 1) // OUTPUT_VOCAB_MULTIPLE) * OUTPUT_VOCAB_MULTIPLE,
+             tokenizer.vocab_size)
+  logging.info('Output layer: ids 0-%d of %d, every piece of the %d training targets.',
+               size - 1, tokenizer.vocab_size, len(targets))
+  return size
 
 
 class Data(NamedTuple):

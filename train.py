@@ -73,6 +73,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: jax.sharding.Mesh,
                         stop_requests: StopRequests,
                         init_params_from: str | None) -> dict[str, Any]:
+  if config.data.target_pieces_first:
+    # The output layer covers the training targets' pieces: the tokenizer (trained here on a
+    # fresh run, or the one --init_params_from's parameters were trained with) comes first.
+    if init_params_from and not checkpoints.saved_steps(workdir):
+      train_state.copy_tokenizer(init_params_from.partition(':')[0], workdir)
+    tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
+                                                       process_index=jax.process_index())
+    config.model.output_vocab_size = input_pipeline.output_vocab_size(
+        config, tokenizer, process_index=jax.process_index())
   # Model, optimizer, and the state from the newest checkpoint or fresh: before anything in
   # the workdir changes, so a config that does not fit the checkpoints changes nothing.
   model = make_model(config.model)

@@ -2,6 +2,8 @@
 
   python -m benchmarks.train_step [--json out.json] [--steps 10] [--repeats 3] \
       [--dtype float32|bfloat16] [--breakdown] [--attention-probs sparsemax|entmax15] \
+      [--vocab 8000] [--output-vocab 0] [--d-model 256] [--d-ff 1024] [--layers 3] \
+      [--batch 64] [--length 32] \
       [--attention-score dot|bilinear|additive] [--linear-attention]
 
 Builds the step exactly as training does (configs/multi30k.py + overrides,
@@ -67,6 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--breakdown', action='store_true', help='Also time the step\'s parts.')
   # The comparison shape; smaller values are for smoke tests.
   parser.add_argument('--vocab', type=int, default=8000)
+  parser.add_argument('--output-vocab', type=int, default=0,
+                      help='model.output_vocab_size: ids the output layer scores (0: all).')
   parser.add_argument('--d-model', type=int, default=256)
   parser.add_argument('--d-ff', type=int, default=1024)
   parser.add_argument('--heads', type=int, default=4)
@@ -88,12 +92,15 @@ def make_config(args: argparse.Namespace):
   """configs/multi30k.py with the benchmark's shape."""
   config = multi30k.get_config()
   config.model.update(
-      vocab_size=args.vocab, d_model=args.d_model, d_ff=args.d_ff, num_heads=args.heads,
+      vocab_size=args.vocab, output_vocab_size=args.output_vocab, d_model=args.d_model,
+      d_ff=args.d_ff, num_heads=args.heads,
       num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=args.dropout,
       attention_dropout_rate=0.0, dtype=args.dtype, attention_probs=args.attention_probs,
       attention_score=args.attention_score, linear_attention=args.linear_attention)
   config.model.max_len = max(config.model.max_len, args.length)
-  config.data.update(batch_size=args.batch, max_length=args.length)
+  # An output layer over the first ids is what train.py sets from the ordered tokenizer.
+  config.data.update(batch_size=args.batch, max_length=args.length,
+                     target_pieces_first=bool(args.output_vocab))
   # No moving average: the step compared with the Flax WMT example's is the paper's update.
   config.optimizer.update(label_smoothing=0.1, grad_accum_steps=1, weight_decay=0.0,
                           grad_clip_norm=0.0, ema_decay=0.0)
@@ -188,7 +195,8 @@ def analytic_flops(params, model_config, batch: int, source_len: int, target_len
   per_row = (m.num_encoder_layers * source_len**2
              + m.num_decoder_layers * (target_len**2 + target_len * source_len))
   attention = 12 * d * per_row * batch  # 2 matmuls x 2 FLOPs x 3 (forward + backward).
-  output = 6 * d * m.vocab_size * tgt_tokens if m.share_embeddings else 0
+  outputs = m.output_vocab_size or m.vocab_size
+  output = 6 * d * outputs * tgt_tokens if m.share_embeddings else 0
   return {'total': float(dense + attention + output), 'dense_nonembedding': float(dense),
           'attention': float(attention), 'output_projection': float(output),
           'params_nonembedding_kernels': int(encoder + decoder)}

@@ -52,11 +52,16 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.data.packing_bins = 64  # Rows each shard packs pairs into at once (best fit).
   config.data.num_workers = 0  # Grain worker processes per host (0: in the training process).
   config.data.bpe_dropout = 0.0  # Probability of skipping a BPE merge, training only.
+  # The tokenizer numbers the pieces of the training targets first, and train.py sets
+  # model.output_vocab_size to cover just them: no logits for pieces no target holds.
+  config.data.target_pieces_first = False
 
   # model.make_model(config.model): every field of TransformerConfig (architecture
   # 'transformer', the default; configs/multi30k_rnn.py: the RNN's).
   config.model = ml_collections.ConfigDict()
   config.model.vocab_size = 10000  # Joint sentencepiece BPE, trained to this size.
+  # Ids the output layer scores (0: all); train.py sets it with data.target_pieces_first.
+  config.model.output_vocab_size = 0
   config.model.d_model = 256
   config.model.num_heads = 4
   config.model.d_ff = 512

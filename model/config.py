@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from model import probability_maps
+from model.tokens import EOS_ID
 
 Array = jax.Array
 # Maps attention logits [..., keys] to attention weights; 'softmax' is the paper's, the others
@@ -32,6 +33,9 @@ class TransformerConfig:
   """
 
   vocab_size: int
+  # The output layer scores ids [0, output_vocab_size) only (0: every id): with a joint
+  # vocabulary ordered target pieces first, the pieces no target holds cost no logits.
+  output_vocab_size: int = 0
   d_model: int = 512
   num_heads: int = 8
   d_ff: int = 2048
@@ -67,6 +71,11 @@ class TransformerConfig:
   def __post_init__(self):
     for name in ('dtype', 'param_dtype'):  # 'bfloat16' and jnp.bfloat16 alike.
       object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+    if not 0 <= self.output_vocab_size <= self.vocab_size:
+      raise ValueError(f'output_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: '
+                       f'every id), got {self.output_vocab_size}.')
+    if 0 < self.output_vocab_size <= EOS_ID:
+      raise ValueError(f'output_vocab_size={self.output_vocab_size} leaves out EOS (id {EOS_ID}).')
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
     if self.norm not in ('layer', 'scale'):
@@ -102,6 +111,11 @@ class TransformerConfig:
     """The paper's big model (Table 3): 1024/4096/16 heads/6+6 layers/dropout 0.3."""
     settings = dict(d_model=1024, d_ff=4096, num_heads=16, dropout_rate=0.3)
     return cls(vocab_size=vocab_size, **{**settings, **overrides})
+
+  @property
+  def num_outputs(self) -> int:
+    """How many ids the output layer scores: the first `num_outputs` of the vocabulary."""
+    return self.output_vocab_size or self.vocab_size
 
   @property
   def head_dim(self) -> int:

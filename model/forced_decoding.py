@@ -59,8 +59,9 @@ def forced_decoding(model: Transformer | RNN, params: Any, inputs: Array,
     targets: [batch, tgt_len] target ids ending in EOS, 0-padded.
   Returns:
     token_log_probs [batch, tgt_len] float32: log p(targets[t] | source, targets[:t]) under
-      the whole vocabulary's softmax, 0 at padding (a row sums to the translation's
-      log-probability, as beam search scores it before the length penalty);
+      the output layer's softmax (-inf for a piece it does not score), 0 at padding (a row
+      sums to the translation's log-probability, as beam search scores it before the length
+      penalty);
     cross_attention [batch, layers, tgt_len, src_len] float32: each decoder layer's
       cross-attention averaged over its heads (each target row sums to 1 over the source;
       rows of target padding are 0).
@@ -69,6 +70,9 @@ def forced_decoding(model: Transformer | RNN, params: Any, inputs: Array,
   log_probs = jax.nn.log_softmax(logits.astype(jnp.float32))
   real = targets != PAD_ID
   token_log_probs = jnp.take_along_axis(log_probs, targets[..., None], axis=-1)[..., 0]
+  # A piece the output layer does not score (TransformerConfig.output_vocab_size) is one the
+  # model cannot produce.
+  token_log_probs = jnp.where(targets < log_probs.shape[-1], token_log_probs, -jnp.inf)
   cross = jnp.stack([weights.mean(axis=1) for weights in maps['cross_attention']], axis=1)
   return (jnp.where(real, token_log_probs, 0.0),
           jnp.where(real[:, None, :, None], cross, 0.0))

@@ -354,7 +354,7 @@ class Transformer(nn.Module):
       self.target_embed = embed()
       # Logits in float32 whatever the compute dtype.
       self.output_projection = nn.Dense(
-          c.vocab_size, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
+          c.num_outputs, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype,
           kernel_init=nn.initializers.xavier_uniform(),
           dot_general=functools.partial(jax.lax.dot_general,
                                         preferred_element_type=jnp.float32))
@@ -381,10 +381,11 @@ class Transformer(nn.Module):
     return self.embedding_dropout(x, deterministic=not train)
 
   def _logits(self, y: Array) -> Array:
-    """[..., d_model] -> float32 logits [..., vocab] through the (shared) embedding matrix."""
+    """[..., d_model] -> float32 logits [..., num_outputs] through the (shared) embedding
+    matrix: its first `num_outputs` rows."""
     c = self.config
     if c.share_embeddings:
-      embedding = self.embed.embedding.astype(c.dtype)
+      embedding = self.embed.embedding[:c.num_outputs].astype(c.dtype)
       project = lambda rows: jnp.einsum('...d,vd->...v', rows.astype(c.dtype), embedding,
                                         preferred_element_type=jnp.float32)
     else:

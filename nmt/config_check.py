@@ -64,6 +64,16 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     raise ConfigError(f'data.num_shards={data.num_shards} shards do not divide over '
                       f'{jax.process_count()} processes; set data.num_shards to a multiple of '
                       f'{jax.process_count()}.')
+  if data.get('target_pieces_first'):
+    if config.model.get('architecture', 'transformer') != 'transformer':
+      raise ConfigError('data.target_pieces_first sizes the Transformer\'s output layer; '
+                        'set it to False for this model.architecture.')
+    if data.bpe_dropout:
+      raise ConfigError('data.bpe_dropout splits targets into pieces beyond the output layer '
+                        'that data.target_pieces_first sizes: use one of the two.')
+  elif config.model.get('output_vocab_size'):
+    raise ConfigError('model.output_vocab_size is set by train.py with data.target_pieces_first '
+                      '(the training targets decide it): leave it 0.')
   if data.packing_bins < 1 or data.num_workers < 0 or not 0 <= data.bpe_dropout < 1:
     raise ConfigError(f'data.packing_bins must be positive ({data.packing_bins}), '
                       f'data.num_workers 0 or more ({data.num_workers}), data.bpe_dropout in '

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from jax.sharding import Mesh
 
 from model import Transformer
@@ -42,6 +43,11 @@ class Evaluator:
     self.mesh, self.last_step = mesh, config.num_train_steps
     self.every, self.bleu_every = config.eval.every_steps, config.eval.bleu_every_steps
     self.batches = batches
+    outputs = getattr(model.config, 'output_vocab_size', 0)
+    beyond = sum(int(np.sum(b['targets'] >= outputs)) for b in batches) if outputs else 0
+    if beyond:
+      logging.info('%d validation target tokens are pieces outside the output layer (no '
+                   'training target holds them): the loss counts them as UNK.', beyond)
     self.bleu_sources = sources[:config.eval.bleu_sentences]
     self.bleu_references = targets[:config.eval.bleu_sentences]
     self.translator = Translator(model, tokenizer, config.decode, mesh)

@@ -14,7 +14,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh
 
-from model import Transformer
+from model import UNK_ID, Transformer
 from nmt import sharding
 
 
@@ -86,10 +86,13 @@ def cross_entropy(logits: jax.Array, targets: jax.Array, weights: jax.Array,
   the other tokens, minus that distribution's entropy (so a perfect model scores 0).
   Args:
     logits: [batch, length, vocab] float32.
-    targets: [batch, length] int.
+    targets: [batch, length] int; ids the logits do not score (a model whose output layer
+      covers the training targets' pieces, `TransformerConfig.output_vocab_size`, on other
+      text) count as UNK.
     weights: [batch, length] float, 1 for real tokens and 0 for padding.
   """
   vocab = logits.shape[-1]
+  targets = jnp.where(targets < vocab, targets, UNK_ID)
   # log p = logits - logsumexp: the sums below need only logsumexp, the target logit and the
   # sum of logits, so the [batch, length, vocab] log-probabilities are never materialised.
   log_normaliser = jax.nn.logsumexp(logits, axis=-1)

@@ -12,10 +12,11 @@ import hashlib
 import heapq
 import io
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
 
 from model.tokens import EOS_ID, PAD_ID, UNK_ID
 from nmt.text_io import MissingDataError
@@ -110,6 +111,11 @@ def load_tokenizer(path: str) -> Tokenizer:
   return Tokenizer(spm.SentencePieceProcessor(model_file=path))
 
 
+def processor(model: bytes) -> spm.SentencePieceProcessor:
+  """The sentencepiece model of a .model file's bytes."""
+  return spm.SentencePieceProcessor(model_proto=model)
+
+
 def train(texts: Sequence[str], vocab_size: int) -> bytes:
   """A BPE model of `vocab_size` pieces trained on `texts`, as the bytes of a .model file.
 
@@ -125,3 +131,24 @@ def train(texts: Sequence[str], vocab_size: int) -> bytes:
       normalization_rule_name='identity', remove_extra_whitespaces=False,
       input_sentence_size=0, shuffle_input_sentence=False, num_threads=1, minloglevel=2)
   return model.getvalue()
+
+
+def put_first(model: bytes, ids: Iterable[int]) -> bytes:
+  """The sentencepiece model `model` (the bytes of a .model file) with its pieces renumbered:
+  PAD, EOS and UNK keep their ids, the pieces `ids` come next and the others after them, each
+  group in its old order. A piece keeps its text, type and score, which are all BPE merges by,
+  so every text splits into the same pieces as before, under their new ids."""
+  proto = sentencepiece_model_pb2.ModelProto()
+  proto.ParseFromString(model)
+  reserved = max(PAD_ID, EOS_ID, UNK_ID) + 1
+  wanted = set(ids)
+  rest = range(reserved, len(proto.pieces))
+  order = [*range(reserved), *(i for i in rest if i in wanted),
+           *(i for i in rest if i not in wanted)]
+  pieces = [proto.pieces[i] for i in order]
+  copies = [sentencepiece_model_pb2.ModelProto.SentencePiece() for _ in pieces]
+  for copy, piece in zip(copies, pieces):
+    copy.CopyFrom(piece)
+  del proto.pieces[:]
+  proto.pieces.extend(copies)
+  return proto.SerializeToString()

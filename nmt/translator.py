@@ -235,6 +235,7 @@ class Translator:
       # piece of their own.
       sides['prefix'] = [x[:-1] for x in self.tokenizer.encode(
           [prefixes[i].rstrip() for i in nonempty])]
+      self._check_prefixes(nonempty, sides['prefix'])
     jobs = self._jobs(params, sides, prefixes is not None)
     start, done = time.time(), 0
     logged = start
@@ -273,6 +274,17 @@ class Translator:
       if prefixes is not None:
         self._keep_prefix(outputs[position], prefixes[row], sequences[row],
                           int(np.sum(prefix_ids[row] != 0)))
+
+  def _check_prefixes(self, lines: list[int], prefix_ids: list[np.ndarray]) -> None:
+    """A prefix must hold only pieces the model can output (TransformerConfig.output_vocab_size:
+    the pieces of its training targets); lines: each prefix's 0-based line."""
+    outputs = getattr(self.model.config, 'output_vocab_size', 0)
+    for line, ids in zip(lines, prefix_ids) if outputs else ():
+      beyond = ids[ids >= outputs]
+      if beyond.size:
+        raise ValueError(f'target prefix {line + 1} holds the piece {self._pieces[beyond[0]]!r}, '
+                         f'which no training target held: the model\'s output layer does not '
+                         f'score it (model.output_vocab_size={outputs}).')
 
   def _keep_prefix(self, outputs: list, prefix: str, sequences: np.ndarray, length: int) -> None:
     """Each output's text as the prefix verbatim + the detokenized rest of its sequence."""

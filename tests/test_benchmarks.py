@@ -63,6 +63,12 @@ def test_analytic_flops_match_hand_count():
   assert flops['dense_nonembedding'] == 6 * (encoder + decoder) * tokens
   assert flops['attention'] == 12 * d * 8 * (8 * 8 + 8 * 8 + 8 * 8)
   assert flops['output_projection'] == 6 * d * vocab * tokens
+  smaller = train_step_benchmark.make_config(train_step_benchmark.parse_args(
+      TINY + ['--output-vocab', '48']))
+  assert smaller.model.output_vocab_size == 48
+  assert train_step_benchmark.analytic_flops(
+      built['state']['params'], smaller.model, batch=8, source_len=8,
+      target_len=8)['output_projection'] == 6 * d * 48 * tokens
 
 
 needs_multi30k = pytest.mark.skipif(

@@ -1,5 +1,6 @@
 """decode.py and checkpoint averaging on a tiny run trained on real Multi30k sentences."""
 
+import dataclasses
 import json
 import os
 import select
@@ -13,6 +14,7 @@ import pytest
 import sacrebleu
 from parity import assert_varied
 
+from model import Transformer
 from nmt import checkpoints, runs, sharding
 from nmt import translator as translator_lib
 
@@ -256,6 +258,15 @@ def test_target_prefixes_are_kept_verbatim_and_continued(workdir, tmp_path):
   stderr = result.stderr.decode()
   assert result.returncode == 1 and 'one line per source line' in stderr, stderr
   assert 'Traceback' not in stderr
+  # A prefix piece the output layer does not score (output_vocab_size) is a clear error, not
+  # a search in which no token is allowed.
+  prefix_ids = tokenizer.encode(['Eine Frau'])[0][:-1]
+  smaller = Transformer(dataclasses.replace(model.config, output_vocab_size=int(
+      prefix_ids.max())))
+  limited = translator_lib.Translator(smaller, tokenizer, config.decode, translator.mesh)
+  with pytest.raises(ValueError, match=r"target prefix 2 holds the piece '.*', which no "
+                     r'training target held.*output_vocab_size='):
+    limited(params, sources[:2], prefixes=['', 'Eine Frau'])
 
 
 def test_an_ensemble_of_two_checkpoints_translates_and_bad_weights_are_one_line(workdir):

@@ -1,5 +1,6 @@
 """export.py --format ctranslate2: CTranslate2 scores and translates as our model does."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from test_train import _setup, small_config
 
 import export
 from model import EOS_ID, Transformer, TransformerConfig, transformer_beam_search
+from model.forced_decoding import forced_decoding
 from nmt import batching, runs, sharding, text_io
 
 ctranslate2 = pytest.importorskip(
@@ -115,6 +117,31 @@ def test_beam_search_translations_equal_ours(copy_model):
           [x for i, x in enumerate(ours) if i not in cut])
   copied = sum(out == src for out, src in zip(ours, sources))
   assert len({len(x) for x in ours}) >= 4 and 0 < copied < len(ours), copied
+
+
+def test_an_output_layer_over_the_first_ids_gives_a_target_vocabulary_of_them(copy_model,
+                                                                              tmp_path):
+  """output_vocab_size=12 of 16 pieces: the target vocabulary holds the first 12, the
+  source all 16, and CTranslate2 scores targets as our smaller output layer does."""
+  model, params = copy_model
+  outputs = 12
+  smaller = Transformer(dataclasses.replace(model.config, output_vocab_size=outputs))
+  pieces = ['<pad>', '</s>', '<unk>'] + [f'w{i}' for i in range(3, 16)]
+  export.ctranslate2_spec(smaller.config, params, pieces).save(str(tmp_path))
+  read = lambda name: json.loads((tmp_path / name).read_text())
+  assert read('target_vocabulary.json') == pieces[:outputs]
+  assert read('source_vocabulary.json') == pieces
+  rng = np.random.default_rng(9)
+  inputs = copy_sources(rng, 16)  # Sources of every piece, targets of the first 12 only.
+  targets = np.where(inputs > EOS_ID, rng.integers(3, outputs, inputs.shape), inputs)
+  ours, _ = forced_decoding(smaller, params, inputs, targets)
+  scored = ctranslate2.Translator(str(tmp_path), intra_threads=1).score_batch(
+      [[pieces[t] for t in row if t > EOS_ID] for row in inputs],
+      [[pieces[t] for t in row if t > EOS_ID] for row in targets])
+  for row, result in enumerate(scored):
+    theirs = np.asarray(result.log_probs)  # Every target token and the EOS.
+    assert len(theirs) == int(np.sum(targets[row] > 0))
+    np.testing.assert_allclose(theirs, np.asarray(ours)[row, :len(theirs)], atol=1e-4)
 
 
 def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(trained_run, tmp_path):

@@ -20,6 +20,7 @@ import pytest
 from model import (
   EOS_ID,
   RNN,
+  UNK_ID,
   MultiHeadAttention,
   RNNConfig,
   Transformer,
@@ -535,6 +536,26 @@ def test_label_smoothed_loss_is_the_kl_divergence_to_the_smoothed_targets(smooth
   np.testing.assert_allclose(float(sums['nll']), (nll * weights).sum(), rtol=RTOL)
   if smoothing:  # The comparison can fail: smoothing changes the loss.
     assert abs(float(sums['loss']) - (nll * weights).sum()) > 1e-2
+
+
+def test_targets_beyond_the_output_layer_count_as_unk():
+  """A model whose output layer covers the training targets' pieces (output_vocab_size)
+  scores a validation piece beyond them as UNK: finite, the same sums as with UNK there."""
+  rng = np.random.default_rng(8)
+  logits = jnp.asarray(rng.normal(size=(2, 4, 9)), jnp.float32)
+  targets = rng.integers(3, 9, size=(2, 4))
+  beyond = targets.copy()
+  beyond[0, 1], beyond[1, 3] = 9, 15
+  unk = targets.copy()
+  unk[0, 1] = unk[1, 3] = UNK_ID
+  weights = jnp.ones((2, 4), jnp.float32)
+  got = optimization.cross_entropy(logits, jnp.asarray(beyond), weights, 0.1)
+  want = optimization.cross_entropy(logits, jnp.asarray(unk), weights, 0.1)
+  plain = optimization.cross_entropy(logits, jnp.asarray(targets), weights, 0.1)
+  for key in ('loss', 'nll', 'correct'):
+    assert np.isfinite(float(got[key]))
+    np.testing.assert_allclose(float(got[key]), float(want[key]), rtol=1e-6)
+  assert abs(float(got['nll']) - float(plain['nll'])) > 1e-3
 
 
 def test_train_step_reports_the_label_smoothed_loss_of_its_config():

@@ -174,6 +174,35 @@ def test_tokenizer_deterministic_and_reused(small, tmp_path, monkeypatch):
 
 
 @needs_multi30k
+def test_target_pieces_first_renumbers_pieces_and_sizes_the_output_layer(small, tmp_path):
+  """data.target_pieces_first: the same pieces for every text under new ids, PAD/EOS/UNK
+  kept, the training targets' pieces first; the output layer then covers every training
+  target with fewer ids than the tokenizer trained without it needs."""
+  config, _, (sources, targets) = small
+  tokenizers, sizes = {}, {}
+  for first in (False, True):
+    other = config.copy_and_resolve_references()
+    other.data.target_pieces_first = first
+    tokenizers[first] = ip.load_or_train_tokenizer(other, str(tmp_path / str(first)))
+    sizes[first] = ip.output_vocab_size(other, tokenizers[first])
+  plain, ordered = tokenizers[False], tokenizers[True]
+  texts = sources[:300] + targets[:300] + ['Ein Hund 🐕 läuft.', '猫がマット']
+  new_id = {plain._sp.id_to_piece(i): i for i in range(plain.vocab_size)}
+  new_id = {i: ordered._sp.piece_to_id(plain._sp.id_to_piece(i)) for i in new_id.values()}
+  for text, a, b in zip(texts, plain.encode(texts), ordered.encode(texts), strict=True):
+    assert [new_id[i] for i in a.tolist()] == b.tolist()
+    assert ordered.decode(b) == text
+  assert sorted(new_id.values()) == list(range(plain.vocab_size))  # A renumbering.
+  assert [new_id[i] for i in (PAD_ID, EOS_ID, UNK_ID)] == [PAD_ID, EOS_ID, UNK_ID]
+  target_ids = np.unique(np.concatenate(ordered.encode(targets)))
+  # First, no gaps (UNK is in no target: the tokenizer falls back to bytes).
+  assert target_ids.tolist() == [EOS_ID, *range(UNK_ID + 1, target_ids.max() + 1)]
+  assert sizes[True] % ip.OUTPUT_VOCAB_MULTIPLE == 0
+  assert target_ids.max() < sizes[True] <= target_ids.max() + ip.OUTPUT_VOCAB_MULTIPLE
+  assert sizes[True] < sizes[False] == plain.vocab_size
+
+
+@needs_multi30k
 def test_tokenizer_of_another_vocab_size_is_refused(small, tmp_path, monkeypatch):
   config, tokenizer, _ = small
   path = tmp_path / 'tokenizer.model'

@@ -16,6 +16,7 @@ from model import (
   TransformerConfig,
   count_params,
   sinusoidal_table,
+  transformer_beam_search,
 )
 from model import config as config_lib
 from model.cpu import dropout as cpu_dropout
@@ -620,6 +621,43 @@ def test_config_errors():
   encoded = apply(short, method='encode')
   with pytest.raises(ValueError, match=r'Decoding length 9 exceeds .*max_len=8'):
     apply(encoded, short, 1, 9, method='init_decode_cache')
+
+
+@pytest.mark.parametrize('cpu_tuned', [True, False])
+def test_output_layer_over_the_first_ids_gives_those_ids_logits(cpu_tuned):
+  """output_vocab_size=N: the same parameters (shared embeddings), the logits of ids 0..N-1
+  of the whole vocabulary's output layer, in teacher forcing and in cached decoding; beam
+  search then writes only those ids."""
+  outputs = 24
+  whole = small_config(cpu_tuned=cpu_tuned, dropout_rate=0.0)
+  part = small_config(cpu_tuned=cpu_tuned, dropout_rate=0.0, output_vocab_size=outputs)
+  params = init_params(whole)
+  assert jax.tree_util.tree_map(np.shape, init_params(part)) == jax.tree_util.tree_map(
+      np.shape, params)
+  rng = np.random.default_rng(12)
+  inputs, targets = random_tokens(rng, SRC), random_tokens(rng, TGT, vocab=outputs)
+  full = np.asarray(make_forward(whole)(params, inputs, targets))
+  logits = np.asarray(make_forward(part)(params, inputs, targets))
+  assert logits.shape == TGT + (outputs,)
+  assert max_abs(logits, full[..., :outputs]) < 1e-5
+  assert max_abs(full[..., outputs:], 0.0) > 0.1  # The ids left out had logits of their own.
+  decoder = CachedDecoder(part, params, inputs, beam_size=1, max_length=TGT[1])
+  decoder_inputs = np.pad(targets, ((0, 0), (1, 0)))
+  for t in range(TGT[1]):
+    step_logits = decoder.step(decoder_inputs[:, t:t + 1], t)
+    assert max_abs(step_logits[:, 0], full[:, t, :outputs]) < 1e-4, f'step {t}'
+  # Without the left-out ids' logits, the most likely next ids of this random model would
+  # often be among them: the search writes none.
+  sequences, _ = transformer_beam_search(Transformer(part), params, inputs, beam_size=3,
+                                         max_extra_length=6)
+  assert np.asarray(sequences).max() < outputs
+  assert np.argmax(full, axis=-1).max() >= outputs
+  separate = small_config(share_embeddings=False, output_vocab_size=outputs)
+  assert init_params(separate)['output_projection']['kernel'].shape == (32, outputs)
+  for size, message in ((VOCAB + 1, r'output_vocab_size must be in \[0, vocab_size=53\]'),
+                        (-1, 'output_vocab_size must be in'), (1, 'leaves out EOS')):
+    with pytest.raises(ValueError, match=message):
+      small_config(output_vocab_size=size)
 
 
 # --------------------------------------------------------------------------------------------

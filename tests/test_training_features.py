@@ -81,6 +81,10 @@ def test_training_feature_config_errors():
                           ({'optimizer.cooldown_fraction': -0.1}, 'cooldown_fraction must be in'),
                           ({'max_train_minutes': -5.0}, 'max_train_minutes must be'),
                           ({'optimizer.rdrop_alpha': -1.0}, 'rdrop_alpha must be >= 0'),
+                          ({'data.target_pieces_first': True, 'data.bpe_dropout': 0.1},
+                           'bpe_dropout splits targets into pieces beyond the output layer'),
+                          ({'data.target_pieces_first': False, 'model.output_vocab_size': 300},
+                           'output_vocab_size is set by train.py'),
                           ({'max_train_minutes': float('inf')}, 'max_train_minutes must be')):
     with pytest.raises(config_check.ConfigError, match=message):
       config_check.validate_config(small_config(change), mesh)
