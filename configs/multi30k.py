@@ -4,9 +4,9 @@
       --config configs/multi30k.py --workdir runs/multi30k
   python decode.py --workdir runs/multi30k --split test_2016_flickr --checkpoint ema
 
-A post-LN Transformer (d_model 256, FFN 512, 3+3 layers, a 10k joint vocabulary, 6.5M
-parameters) that reaches about 38 BLEU on test_2016_flickr in 2,200 steps, decoded from the
-moving average of its parameters.
+A post-LN Transformer (d_model 256, FFN 512, 3+3 layers, a 10k joint vocabulary whose output
+layer covers the German pieces only, 6.5M parameters) that reaches about 38.5 BLEU on
+test_2016_flickr in 2,400 steps, decoded from the moving average of its parameters.
 `configs/multi30k.py:full` is the published Transformer-tiny (4+4 layers of d_model 128, 2.6M
 parameters) for 10,000 steps of twice the rows, about 40, decoded the same way:
 
@@ -21,12 +21,12 @@ from ml_collections.config_dict import placeholder
 
 
 def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
-  """budget: 'quick' (2,200 steps) or 'full' (see below)."""
+  """budget: 'quick' (2,400 steps) or 'full' (see below)."""
   if budget not in ('quick', 'full'):
     raise ValueError(f"budget must be 'quick' or 'full', got {budget!r}.")
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.num_train_steps = 2200
+  config.num_train_steps = 2400
   # Also stop once training (the loop less validation) has taken this long; 0: no limit.
   config.max_train_minutes = 0.0
   config.mesh_shape = ''  # e.g. 'data:4,fsdp:2'; '' = every device on 'data'.
@@ -54,7 +54,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.data.bpe_dropout = 0.0  # Probability of skipping a BPE merge, training only.
   # The tokenizer numbers the pieces of the training targets first, and train.py sets
   # model.output_vocab_size to cover just them: no logits for pieces no target holds.
-  config.data.target_pieces_first = False
+  config.data.target_pieces_first = True
 
   # model.make_model(config.model): every field of TransformerConfig (architecture
   # 'transformer', the default; configs/multi30k_rnn.py: the RNN's).
@@ -148,6 +148,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
     # peak rate of about 0.005 after 2,000 warm-up steps, the paper's decay to the end.
     config.num_train_steps = 10000
     config.data.batch_size = 64
+    config.data.target_pieces_first = False  # The recipe as measured (BENCHMARKS.md, B64).
     config.model.d_model = 128
     config.model.d_ff = 256
     config.model.num_encoder_layers = 4
