@@ -33,7 +33,8 @@ def transformer_ensemble_beam_search(models: list[Transformer], params: list[Any
   weights = [1.0] * len(models) if weights is None else list(weights)
   if len(weights) != len(models) or min(weights) < 0 or sum(weights) <= 0:
     raise ValueError(f'need {len(models)} non-negative weights, not all 0, got {weights}.')
-  if len({(m.config.vocab_size, m.config.num_outputs) for m in models}) > 1:
+  outputs = lambda m: getattr(m.config, 'num_outputs', m.config.vocab_size)
+  if len({(m.config.vocab_size, outputs(m)) for m in models}) > 1:
     raise ValueError('ensemble members must share the vocabulary size and the output layer\'s '
                      '(model.output_vocab_size).')
   if max_length is None:

@@ -587,6 +587,10 @@ def test_an_ensemble_of_one_is_the_model_and_of_two_averages_log_probs(medium):
     penalties = np.asarray(length_penalty(output_lengths(seqs[:, k]), ALPHA))
     np.testing.assert_allclose(scores[:, k], mean / penalties, rtol=1e-4, atol=1e-4)
   assert (seqs[:, 0] != single[0][:, 0]).any()  # The second member changes the outputs.
+  # Members scoring different ids (TransformerConfig.output_vocab_size) cannot be averaged.
+  fewer = Transformer(dataclasses.replace(other.config, output_vocab_size=16))
+  with pytest.raises(ValueError, match='share the vocabulary size and the output layer'):
+    transformer_ensemble_beam_search([model, fewer], [params, other_params], inputs, **settings)
 
 
 # --------------------------------------------------------------------------------------------
