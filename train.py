@@ -76,7 +76,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
   if config.data.target_pieces_first:
     # The output layer covers the training targets' pieces: the tokenizer (trained here on a
     # fresh run, or the one --init_params_from's parameters were trained with) comes first.
-    if init_params_from and not checkpoints.saved_steps(workdir):
+    if init_params_from and not os.path.isfile(os.path.join(workdir, 'tokenizer.model')):
       train_state.copy_tokenizer(init_params_from.partition(':')[0], workdir)
     tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
                                                        process_index=jax.process_index())

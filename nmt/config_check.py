@@ -64,6 +64,10 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     raise ConfigError(f'data.num_shards={data.num_shards} shards do not divide over '
                       f'{jax.process_count()} processes; set data.num_shards to a multiple of '
                       f'{jax.process_count()}.')
+  if data.packing_bins < 1 or data.num_workers < 0 or not 0 <= data.bpe_dropout < 1:
+    raise ConfigError(f'data.packing_bins must be positive ({data.packing_bins}), '
+                      f'data.num_workers 0 or more ({data.num_workers}), data.bpe_dropout in '
+                      f'[0, 1) ({data.bpe_dropout}).')
   if data.get('target_pieces_first'):
     if config.model.get('architecture', 'transformer') != 'transformer':
       raise ConfigError('data.target_pieces_first sizes the Transformer\'s output layer; '
@@ -74,10 +78,6 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   elif config.model.get('output_vocab_size'):
     raise ConfigError('model.output_vocab_size is set by train.py with data.target_pieces_first '
                       '(the training targets decide it): leave it 0.')
-  if data.packing_bins < 1 or data.num_workers < 0 or not 0 <= data.bpe_dropout < 1:
-    raise ConfigError(f'data.packing_bins must be positive ({data.packing_bins}), '
-                      f'data.num_workers 0 or more ({data.num_workers}), data.bpe_dropout in '
-                      f'[0, 1) ({data.bpe_dropout}).')
   if data.max_length > config.model.max_len:
     raise ConfigError(f'data.max_length={data.max_length} exceeds model.max_len='
                       f'{config.model.max_len}.')

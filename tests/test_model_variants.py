@@ -161,7 +161,7 @@ def test_config_from_json_with_dtype_names():
                 activation='relu', attention_probs='softmax', attention_score='scaled_dot',
                 linear_attention=False, layer_norm_epsilon=1e-6,
                 dtype='bfloat16', param_dtype='float32', cpu_tuned=None,
-                attention_implementation=None)
+                attention_implementation=None, output_vocab_size=0)
   assert set(fields) == {f.name for f in dataclasses.fields(TransformerConfig)}
   config = TransformerConfig(**json.loads(json.dumps(fields)))
   assert config.dtype == jnp.bfloat16 and config.param_dtype == jnp.float32

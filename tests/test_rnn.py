@@ -166,6 +166,7 @@ def test_trains_averages_and_decodes_through_the_same_commands(tmp_path, one_dev
                          'eval.every_steps': 6, 'eval.bleu_every_steps': 6,
                          'eval.bleu_sentences': 4})
   vocab_size = config.model.vocab_size
+  config.data.target_pieces_first = False  # It sizes the Transformer's output layer.
   config.model = {'architecture': 'rnn', 'vocab_size': vocab_size, 'embed_dim': 16,
                   'hidden_dim': 32, 'num_encoder_layers': 1, 'num_decoder_layers': 1,
                   'dropout_rate': 0.1, 'max_len': 128}
