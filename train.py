@@ -80,8 +80,13 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
       train_state.copy_tokenizer(init_params_from.partition(':')[0], workdir)
     tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
                                                        process_index=jax.process_index())
-    config.model.output_vocab_size = input_pipeline.output_vocab_size(
-        config, tokenizer, process_index=jax.process_index())
+    needed = input_pipeline.output_vocab_size(config, tokenizer,
+                                              process_index=jax.process_index())
+    if config.model.output_vocab_size not in (0, needed):
+      raise ConfigError(f'model.output_vocab_size={config.model.output_vocab_size}, but the '
+                        f'training targets need {needed} with data.target_pieces_first: '
+                        'leave it 0 (train.py sets it).')
+    config.model.output_vocab_size = needed
   # Model, optimizer, and the state from the newest checkpoint or fresh: before anything in
   # the workdir changes, so a config that does not fit the checkpoints changes nothing.
   model = make_model(config.model)

@@ -60,7 +60,8 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   # 'transformer', the default; configs/multi30k_rnn.py: the RNN's).
   config.model = ml_collections.ConfigDict()
   config.model.vocab_size = 10000  # Joint sentencepiece BPE, trained to this size.
-  # Ids the output layer scores (0: all); train.py sets it with data.target_pieces_first.
+  # Ids the output layer scores (0: all); train.py sets it with data.target_pieces_first
+  # (another value than the one it computes is an error).
   config.model.output_vocab_size = 0
   config.model.d_model = 256
   config.model.num_heads = 4

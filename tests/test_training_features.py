@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from test_train import _assert_trees_close, needs_multi30k, random_batch, small_config
 
+import input_pipeline
 import train
 from model import Transformer, TransformerConfig
-from nmt import checkpoints, config_check, evaluation, optimization, sharding
+from nmt import checkpoints, config_check, evaluation, optimization, sharding, tokenizer
 
 
 def test_ema_follows_its_formula_step_by_step():
@@ -88,6 +89,20 @@ def test_training_feature_config_errors():
                           ({'max_train_minutes': float('inf')}, 'max_train_minutes must be')):
     with pytest.raises(config_check.ConfigError, match=message):
       config_check.validate_config(small_config(change), mesh)
+
+
+@needs_multi30k
+def test_an_output_layer_size_other_than_the_targets_need_is_an_error(tmp_path, one_device):
+  """With data.target_pieces_first train.py sizes the output layer; a user's other size is
+  refused, naming the size the training targets need, before a model is built."""
+  config = small_config({'model.output_vocab_size': 128})
+  workdir = tmp_path / 'run'
+  with pytest.raises(config_check.ConfigError, match='output_vocab_size=128') as error:
+    train.train_and_evaluate(config, str(workdir))
+  trained = tokenizer.load_tokenizer(str(workdir / 'tokenizer.model'))
+  needed = input_pipeline.output_vocab_size(config, trained)
+  assert needed != 128 and f'need {needed} ' in str(error.value)
+  assert not (workdir / 'checkpoints').exists()
 
 
 @needs_multi30k
