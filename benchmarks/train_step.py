@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--attention-score', default='scaled_dot',
                       choices=('scaled_dot', 'dot', 'bilinear', 'additive'))
   parser.add_argument('--linear-attention', action='store_true')
+  parser.add_argument('--pre-norm', action='store_true', help='Pre-LN instead of post-LN.')
+  parser.add_argument('--norm', default='layer', choices=('layer', 'scale'),
+                      help="'scale': ScaleNorm (with --pre-norm).")
   parser.add_argument('--peak-size', type=int, default=2048, help='Matmul size for the peak.')
   parser.add_argument('--peak-runs', type=int, default=10, help='Timed matmuls; the best counts.')
   return parser.parse_args(argv)
@@ -96,7 +99,8 @@ def make_config(args: argparse.Namespace):
       d_ff=args.d_ff, num_heads=args.heads,
       num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=args.dropout,
       attention_dropout_rate=0.0, dtype=args.dtype, attention_probs=args.attention_probs,
-      attention_score=args.attention_score, linear_attention=args.linear_attention)
+      attention_score=args.attention_score, linear_attention=args.linear_attention,
+      pre_norm=args.pre_norm, norm=args.norm)
   config.model.max_len = max(config.model.max_len, args.length)
   # An output layer over the first ids is what train.py sets from the ordered tokenizer.
   config.data.update(batch_size=args.batch, max_length=args.length,
