@@ -230,13 +230,13 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
         f'run has activation {config.activation!r}, attention_probs {config.attention_probs!r}, '
         f'attention_score {config.attention_score!r}, linear_attention '
         f'{config.linear_attention}.')
-  if config.norm != 'layer':
-    raise ValueError(f"CTranslate2's Transformer normalises with LayerNorm; this run has "
-                     f"norm {config.norm!r}: export it with --format jax.")
   specs = ctranslate2.specs
+  # ScaleNorm's g * x / ||x|| is CTranslate2's RMSNorm, x / sqrt(mean(x^2) + eps) * gamma, with
+  # every gamma g / sqrt(d_model) and eps our floor on ||x||^2 over d_model.
+  scale_norm = config.norm == 'scale'
   spec = specs.TransformerSpec.from_config(
       (config.num_encoder_layers, config.num_decoder_layers), config.num_heads,
-      pre_norm=config.pre_norm)
+      pre_norm=config.pre_norm, rms_norm=scale_norm)
   d = config.d_model
   f32 = lambda x: np.array(x, np.float32)  # A copy: quantization writes into the arrays.
   # Our kernels are [in, out], [d_model, heads, head_dim] (query, key, value) or [heads,
@@ -254,7 +254,10 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
     target.bias = np.concatenate([bias(x) for x in denses])
 
   def norm(target, ours):
-    target.gamma, target.beta = f32(ours['scale']), f32(ours['bias'])
+    if scale_norm:
+      target.gamma = np.full(d, f32(ours['scale']) / np.sqrt(d), np.float32)
+    else:
+      target.gamma, target.beta = f32(ours['scale']), f32(ours['bias'])
 
   def attention(target, ours, norm_params, cross):
     if cross:
@@ -303,7 +306,7 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
     attention(layer.attention, ours['cross_attention'],
               ours['cross_attention_sublayer']['norm'], cross=True)
     feed_forward(layer.ffn, ours['feed_forward'], ours['feed_forward_sublayer']['norm'])
-  if config.pre_norm:  # The final LayerNorms of pre-LN stacks.
+  if config.pre_norm:  # The final norms of pre-LN stacks.
     norm(spec.encoder.layer_norm, params['encoder']['norm'])
     norm(spec.decoder.layer_norm, params['decoder']['norm'])
   spec.register_source_vocabulary(pieces)
@@ -311,7 +314,7 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
   spec.config.unk_token, spec.config.eos_token = pieces[UNK_ID], pieces[EOS_ID]
   spec.config.bos_token = spec.config.decoder_start_token = pieces[PAD_ID]
   spec.config.add_source_eos = True  # Our encoder sees every source end in EOS.
-  spec.config.layer_norm_epsilon = config.layer_norm_epsilon
+  spec.config.layer_norm_epsilon = config.layer_norm_epsilon / (d if scale_norm else 1)
   spec.validate()
   return spec
 

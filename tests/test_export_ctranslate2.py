@@ -189,7 +189,30 @@ def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(trained_ru
   assert "activation 'gelu'" in last_line, stderr
 
 
-def test_scale_norm_runs_are_refused_with_a_clear_error():
-  config = TransformerConfig(vocab_size=16, d_model=8, num_heads=2, d_ff=16, norm='scale')
-  with pytest.raises(ValueError, match=r"LayerNorm; this run has norm 'scale'.*--format jax"):
-    export.ctranslate2_spec(config, {}, ['<pad>'] * 16)
+@pytest.mark.parametrize('pre_norm', [True, False])
+def test_scale_norm_runs_export_as_rms_norm_with_our_log_probabilities(pre_norm, tmp_path):
+  # A random model whose norms' gains are drawn too (not their initial sqrt(d_model)).
+  config = TransformerConfig(vocab_size=24, d_model=16, num_heads=2, d_ff=32,
+                             num_encoder_layers=2, num_decoder_layers=2, norm='scale',
+                             pre_norm=pre_norm, dropout_rate=0.0)
+  model = Transformer(config)
+  rng = np.random.default_rng(0)
+  sources = [rng.integers(3, 24, n).tolist() for n in (5, 9, 3)]
+  targets = [rng.integers(3, 24, n).tolist() for n in (7, 4, 6)]
+  width = 10
+  pad = lambda rows: np.array([r + [EOS_ID] + [0] * (width - len(r) - 1) for r in rows], np.int32)
+  inputs, outputs = pad(sources), pad(targets)
+  params = model.init(jax.random.PRNGKey(0), inputs, outputs)['params']
+  params = jax.tree_util.tree_map_with_path(
+      lambda path, x: x * rng.uniform(0.5, 2.0) if path[-1].key == 'scale' else x, params)
+  pieces = [f'p{i}' for i in range(24)]
+  export.ctranslate2_spec(config, params, pieces).save(str(tmp_path))
+  scored = ctranslate2.Translator(str(tmp_path), intra_threads=1).score_batch(
+      [[pieces[i] for i in s] for s in sources], [[pieces[i] for i in t] for t in targets])
+  logits = model.apply({'params': params}, inputs, outputs)
+  ours = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), outputs[..., None],
+                            axis=-1)[..., 0]
+  for row, target in enumerate(targets):
+    theirs = np.asarray(scored[row].log_probs)  # Every target token and the EOS.
+    assert len(theirs) == len(target) + 1
+    np.testing.assert_allclose(theirs, ours[row, :len(theirs)], atol=1e-4)
