@@ -71,6 +71,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.model.num_decoder_layers = 3
   config.model.dropout_rate = 0.1
   config.model.attention_dropout_rate = 0.0
+  config.model.layer_drop_rate = 0.0  # LayerDrop: skip each layer with this probability.
   config.model.max_len = 256  # Longest sequence the positional table covers.
   config.model.share_embeddings = True
   config.model.pre_norm = False

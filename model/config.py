@@ -43,6 +43,9 @@ class TransformerConfig:
   num_decoder_layers: int = 6
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
+  # LayerDrop (Fan et al. 2020): in training, each encoder and decoder layer passes its input
+  # on unchanged with this probability, drawn once per layer and step; inference runs them all.
+  layer_drop_rate: float = 0.0
   max_len: int = 256  # Longest sequence (per segment) the positional encoding covers.
   share_embeddings: bool = True  # Source, target and output projection share one matrix.
   pre_norm: bool = False  # False: the paper's post-LN; True: LayerNorm before each sub-layer.
@@ -76,6 +79,8 @@ class TransformerConfig:
                        f'every id), got {self.output_vocab_size}.')
     if 0 < self.output_vocab_size <= EOS_ID:
       raise ValueError(f'output_vocab_size={self.output_vocab_size} leaves out EOS (id {EOS_ID}).')
+    if not 0 <= self.layer_drop_rate < 1:
+      raise ValueError(f'layer_drop_rate must be in [0, 1), got {self.layer_drop_rate}.')
     if self.d_model % self.num_heads:
       raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
     if self.norm not in ('layer', 'scale'):

@@ -285,6 +285,14 @@ class DecoderLayer(nn.Module):
     return self.feed_forward_sublayer(y, self.feed_forward, False), new_cache
 
 
+def layer_drop(stack: nn.Module, output: Array, x: Array, train: bool) -> Array:
+  """A layer's output, or in training its input x with probability config.layer_drop_rate."""
+  rate = stack.config.layer_drop_rate
+  if not train or rate == 0:
+    return output
+  return jnp.where(jax.random.bernoulli(stack.make_rng('dropout'), rate), x, output)
+
+
 class Encoder(nn.Module):
   """The stack of encoder layers (and, pre-LN, a final LayerNorm) over embedded sources."""
 
@@ -298,7 +306,7 @@ class Encoder(nn.Module):
   def __call__(self, x: Array, mask: Array, train: bool = False) -> Array:
     """x: [batch, src_len, d_model] embedded; mask: [batch, 1, src_len, src_len] -> encoded."""
     for layer in self.layers:
-      x = layer(x, mask, train)
+      x = layer_drop(self, layer(x, mask, train), x, train)
     return self.norm(x) if self.config.pre_norm else x
 
 
@@ -316,7 +324,7 @@ class Decoder(nn.Module):
                train: bool = False) -> Array:
     """y: [batch, tgt_len, d_model] embedded decoder inputs -> [batch, tgt_len, d_model]."""
     for layer in self.layers:
-      y = layer(y, encoded, self_mask, cross_mask, train)
+      y = layer_drop(self, layer(y, encoded, self_mask, cross_mask, train), y, train)
     return self.norm(y) if self.config.pre_norm else y
 
   def cross_keys_values(self, encoded: Array) -> list[tuple[Array, Array]]:

@@ -111,6 +111,39 @@ def test_dropout_variants_drop_at_the_rate():
     np.testing.assert_allclose(out[out != 0], 1 / 0.7, rtol=1e-6)
 
 
+@pytest.mark.parametrize('pre_norm', [False, True])
+def test_layer_drop_skips_whole_layers_in_training_only(pre_norm):
+  plain = tiny_config(pre_norm=pre_norm)
+  params = init_params(plain)
+  inputs, targets = batch(3)
+  other_inputs = np.where(inputs > 0, (inputs + 5) % VOCAB + (inputs + 5 >= VOCAB) * 3, 0)
+
+  @functools.partial(jax.jit, static_argnums=(0, 3))
+  def logits(config, inputs, key, train):
+    return Transformer(config).apply({'params': params}, inputs, targets, train=train,
+                                     rngs={'dropout': key})
+
+  def forward(config, inputs, seed, train=True):
+    return np.asarray(logits(config, inputs, jax.random.key(seed), train))
+
+  full = forward(plain, inputs, 0)
+  half = tiny_config(pre_norm=pre_norm, layer_drop_rate=0.5)
+  # Inference runs every layer.
+  np.testing.assert_allclose(forward(half, inputs, 0, train=False), full, rtol=1e-5, atol=1e-5)
+  # Training: each of the 4 layers is kept or skipped; over 40 draws some keep all of them
+  # (the plain model's logits) and some do not.
+  draws = [forward(half, inputs, seed) for seed in range(40)]
+  kept_all = [max_abs(d, full) < 1e-5 for d in draws]
+  assert 0 < sum(kept_all) < len(draws)
+  # Skipping every layer leaves the decoder without the source: a changed source changes
+  # no logit, while with the layers it changes them.
+  almost_all = tiny_config(pre_norm=pre_norm, layer_drop_rate=1 - 1e-7)
+  assert max_abs(forward(almost_all, inputs, 1), forward(almost_all, other_inputs, 1)) == 0.0
+  assert max_abs(forward(plain, inputs, 1), forward(plain, other_inputs, 1)) > 1e-3
+  with pytest.raises(ValueError, match='layer_drop_rate'):
+    tiny_config(layer_drop_rate=1.0)
+
+
 @pytest.mark.parametrize('cpu_tuned', [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_forward_mode_derivatives_match_the_plain_layer_norm_model(cpu_tuned):
   """jax.jvp and jax.jacfwd through the whole model, against cpu_tuned=False (nn.LayerNorm)."""
@@ -156,8 +189,9 @@ def test_forward_mode_derivatives_match_the_plain_layer_norm_model(cpu_tuned):
 
 def test_config_from_json_with_dtype_names():
   fields = dict(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
-                num_decoder_layers=1, dropout_rate=0.1, attention_dropout_rate=0.0, max_len=24,
-                share_embeddings=True, pre_norm=True, norm='scale', positional='sinusoidal',
+                num_decoder_layers=1, dropout_rate=0.1, attention_dropout_rate=0.0,
+                layer_drop_rate=0.0, max_len=24, share_embeddings=True, pre_norm=True,
+                norm='scale', positional='sinusoidal',
                 activation='relu', attention_probs='softmax', attention_score='scaled_dot',
                 linear_attention=False, layer_norm_epsilon=1e-6,
                 dtype='bfloat16', param_dtype='float32', cpu_tuned=None,
