@@ -287,8 +287,7 @@ class DecoderLayer(nn.Module):
 
 def layer_drop(stack: nn.Module, output: Array, x: Array, train: bool) -> Array:
   """A layer's output, or in training its input x with probability config.layer_drop_rate."""
-  rate = stack.config.layer_drop_rate
-  if not train or rate == 0:
+  if not train or not (rate := stack.config.layer_drop_rate):
     return output
   return jnp.where(jax.random.bernoulli(stack.make_rng('dropout'), rate), x, output)
 
