@@ -1,7 +1,7 @@
 """Test BLEU against training minutes: every kept checkpoint of a run, translated and scored.
 
   python -m benchmarks.time_to_quality --workdir runs/multi30k_full [--split test_2016_flickr] \
-      [--every_steps 500] [--moving_average] [--alpha A] \
+      [--every_steps 500] [--moving_average] [--alpha A] [--seconds_per_step S] \
       --json runs/multi30k_full/time_to_quality.json
   python -m benchmarks.time_to_quality --plot curves.png A.json B.json ...
 
@@ -11,12 +11,13 @@ and the last) and with the average of the last `average_last_checkpoints`, beam 
 run's config says (`--alpha`: another length penalty, as `decode.py --alpha`;
 `--moving_average`: the moving average of the parameters kept in each checkpoint instead, and
 the newest one in place of the average, for a run decoded with `decode.py --checkpoint ema`),
-and places each on the run's
-training-minutes axis (train_minutes in metrics.jsonl: the loop's time less validation). It
-reports the minutes each BLEU threshold (30, 35, ...) was first reached at. The second form
-plots the curves of several such files next to the Flax WMT example's measured points on the
-same machine type (../shared/ANCHORS.md); with `--metric bleu_tok_lc`, BLEU tok-lc (the
-Multi30k papers' metric) next to the best published text-only result from the same 29k pairs.
+and places each on the run's training-minutes axis (train_minutes in metrics.jsonl: the loop's
+time less validation; `--seconds_per_step`: a fixed rate instead, for a run trained in an hour
+the machine ran slow). It reports the minutes each BLEU threshold (30, 35, ...) was first
+reached at. The second form plots the curves of several such files next to the Flax WMT
+example's measured points on the same machine type (../shared/ANCHORS.md); with `--metric
+bleu_tok_lc`, BLEU tok-lc (the Multi30k papers' metric) next to the best published text-only
+result from the same 29k pairs.
 """
 
 from __future__ import annotations
@@ -41,7 +42,10 @@ PUBLISHED_TOK_LC = {'Wu et al. 2021, Transformer-tiny (41.02)': 41.02}
 METRICS = {'bleu': 'sacreBLEU (cased)', 'bleu_tok_lc': "BLEU tok-lc (Multi30k papers' metric)"}
 
 
-def minutes_of_steps(workdir: str, steps: list[int]) -> list[float]:
+def minutes_of_steps(workdir: str, steps: list[int], seconds_per_step: float = 0.0) -> list[float]:
+  """Training minutes at each step: the run's own (metrics.jsonl), or at a fixed rate."""
+  if seconds_per_step > 0:
+    return [step * seconds_per_step / 60 for step in steps]
   from benchmarks import plot_curves
   timeline = plot_curves.minutes_at(plot_curves.read_metrics(
       os.path.join(workdir, 'metrics.jsonl')))
@@ -56,7 +60,8 @@ def first_reaching(points: list[dict], threshold: float) -> float | None:
 
 
 def measure(workdir: str, split: str, every_steps: int = 0,
-            moving_average: bool = False, alpha: float | None = None) -> dict:
+            moving_average: bool = False, alpha: float | None = None,
+            seconds_per_step: float = 0.0) -> dict:
   sys.path.insert(0, REPO)
   import input_pipeline
   from nmt import checkpoints, legacy, sharding
@@ -71,7 +76,7 @@ def measure(workdir: str, split: str, every_steps: int = 0,
     raise SystemExit(f'error: no checkpoints in {workdir}.')
   if every_steps:
     steps = [s for s in steps if s % every_steps == 0 or s == steps[-1]]
-  minutes = minutes_of_steps(workdir, steps)
+  minutes = minutes_of_steps(workdir, steps, seconds_per_step)
   points = []
   if moving_average and not os.path.isdir(os.path.join(checkpoints.step_path(workdir, steps[-1]),
                                                        'ema')):
@@ -102,6 +107,7 @@ def measure(workdir: str, split: str, every_steps: int = 0,
   return {'workdir': os.path.abspath(workdir), 'split': split, 'points': points,
           'moving_average': moving_average, 'averaged': final,
           'alpha': config.decode.alpha if alpha is None else alpha,
+          'seconds_per_step': seconds_per_step or None,
           'minutes_to': {f'{t:g}': first_reaching(points, t) for t in THRESHOLDS}}
 
 
@@ -137,6 +143,10 @@ def main(argv=None):
                       'with optimizer.ema_decay and decoded with --checkpoint ema).')
   parser.add_argument('--alpha', type=float, default=None,
                       help="Length-penalty exponent (default: the run's decode.alpha).")
+  parser.add_argument('--seconds_per_step', type=float, default=0.0,
+                      help="Place each checkpoint at step x this instead of the run's logged "
+                      'minutes: for a run trained while the machine ran slow, at the rate '
+                      'measured for a step of the same cost in another run.')
   parser.add_argument('--json', help='Write the measurement here.')
   parser.add_argument('--plot', help='PNG of the curves in the given JSON files.')
   parser.add_argument('--labels', help='Comma-separated labels for --plot (default: run names).')
@@ -159,7 +169,8 @@ def main(argv=None):
       parser.error(f'{len(labels)} labels for {len(results)} files.')
     print(f'wrote {plot(results, labels, args.plot, args.metric)}')
     return results
-  result = measure(args.workdir, args.split, args.every_steps, args.moving_average, args.alpha)
+  result = measure(args.workdir, args.split, args.every_steps, args.moving_average, args.alpha,
+                   args.seconds_per_step)
   print(json.dumps(result['minutes_to']))
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:

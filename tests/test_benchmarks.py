@@ -216,6 +216,9 @@ def test_time_to_quality_thresholds_and_plot(tmp_path, monkeypatch):
   assert time_to_quality.first_reaching(points, 30.0) == 10.0
   assert time_to_quality.first_reaching(points, 35.0) == 20.0
   assert time_to_quality.first_reaching(points, 42.0) is None
+  # A fixed rate places the checkpoints without reading the run's logged minutes.
+  assert time_to_quality.minutes_of_steps(str(tmp_path / 'absent'), [1000, 2500],
+                                          seconds_per_step=0.3) == pytest.approx([5.0, 12.5])
   path = tmp_path / 'run.json'
   path.write_text(json.dumps({'workdir': '/x/run', 'split': 'test_2016_flickr',
                               'points': points}))
