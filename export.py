@@ -45,6 +45,7 @@ from model import (
 )
 from model.cpu.slot_pool import slot_pool
 from model.forced_decoding import forced_decoding
+from model.transformer import unit_length
 from nmt import checkpoints, console, runs, sharding
 from nmt import translator as translator_lib
 
@@ -278,6 +279,9 @@ def ctranslate2_spec(config: TransformerConfig, params: Any, pieces: list[str]) 
   outputs = config.num_outputs
   if config.share_embeddings:
     source_table = target_table = output = f32(params['embed']['embedding'])
+    if config.fix_norm:  # The unit-length rows the model uses (FixNorm), written out.
+      source_table = target_table = output = np.asarray(
+          unit_length(source_table, config.layer_norm_epsilon))
     if outputs < config.vocab_size:
       target_table = output = f32(source_table[:outputs])
   else:

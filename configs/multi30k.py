@@ -76,6 +76,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.model.share_embeddings = True
   config.model.pre_norm = False
   config.model.norm = 'layer'  # Or 'scale' (ScaleNorm), with pre_norm.
+  config.model.fix_norm = False  # True: unit-length embedding rows (FixNorm).
   config.model.positional = 'sinusoidal'
   config.model.activation = 'relu'
   config.model.attention_probs = 'softmax'  # Or 'sparsemax', 'entmax15'.

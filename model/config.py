@@ -52,6 +52,10 @@ class TransformerConfig:
   # 'layer' (LayerNorm, the paper) or 'scale': ScaleNorm, g * x / ||x|| with one learned g
   # (Nguyen & Salazar 2019, "Transformers without Tears"; they pair it with pre_norm).
   norm: str = 'layer'
+  # FixNorm (Nguyen & Chiang 2018; with ScaleNorm and pre_norm in Nguyen & Salazar 2019): every
+  # row of the shared embedding scaled to unit length wherever it is used, so the logits are
+  # the decoder output's dot products with unit vectors. Needs share_embeddings.
+  fix_norm: bool = False
   positional: str = 'sinusoidal'  # 'sinusoidal' (the paper) or 'learned'.
   activation: str = 'relu'
   attention_probs: str = 'softmax'  # A key of ATTENTION_PROBS.
@@ -85,6 +89,9 @@ class TransformerConfig:
       raise ValueError(f'd_model={self.d_model} is not divisible by num_heads={self.num_heads}.')
     if self.norm not in ('layer', 'scale'):
       raise ValueError(f"norm must be 'layer' or 'scale', got {self.norm!r}.")
+    if self.fix_norm and not self.share_embeddings:
+      raise ValueError('fix_norm normalises the shared embedding matrix: it needs '
+                       'share_embeddings=True.')
     if self.positional not in ('sinusoidal', 'learned'):
       raise ValueError(f"positional must be 'sinusoidal' or 'learned', got {self.positional!r}.")
     if self.activation not in ACTIVATIONS:

@@ -94,12 +94,8 @@ class MultiHeadAttention(nn.Module):
     return jnp.einsum('bhqdk,hd->bhqk', hidden, self.score_vector.astype(jnp.float32))
 
   def scores(self, query: Array, keys: Array) -> Array:
-    """Attention logits, float32 [batch, heads, q_len, k_len].
-
-    Args:
-      query: [batch, q_len, heads, head_dim], projected.
-      keys: [batch, k_len, heads, head_dim], projected.
-    """
+    """Float32 logits [batch, heads, q_len, k_len] of a projected query [batch, q_len, heads,
+    head_dim] and keys [batch, k_len, heads, head_dim]."""
     if self.config.attention_score == 'additive':
       return self.additive_scores(query.transpose(0, 2, 1, 3), keys.transpose(0, 2, 3, 1))
     return jnp.einsum('bqhd,bkhd->bhqk', self.score_query(query), keys,
@@ -107,16 +103,14 @@ class MultiHeadAttention(nn.Module):
 
   def attend(self, x: Array, keys: Array, values: Array, mask: Array | LinearMask,
              train: bool) -> Array:
-    """Queries from x [batch, q_len, d_model] attend to projected keys/values.
+    """Queries from x [batch, q_len, d_model] attend to projected keys/values: the output
+    [batch, q_len, d_model].
 
     Args:
-      x: [batch, q_len, d_model].
       keys, values: [batch, k_len, heads, head_dim].
       mask: bool, broadcastable to [batch, heads, q_len, k_len] (`LinearMask` with linear
         attention).
       train: enables attention dropout.
-    Returns:
-      [batch, q_len, d_model].
     """
     c = self.config
     query = dense_apply(c, self.query, x)
@@ -185,12 +179,14 @@ class ScaleNorm(nn.Module):
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    features = x.shape[-1]
-    g = self.param('scale', nn.initializers.constant(features ** 0.5), (), self.param_dtype)
-    x32 = x.astype(jnp.float32)
-    squared_norm = jnp.sum(x32 * x32, axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(jnp.maximum(squared_norm, self.epsilon)) * g.astype(jnp.float32)
-    return y.astype(self.dtype)
+    g = self.param('scale', nn.initializers.constant(x.shape[-1] ** 0.5), (), self.param_dtype)
+    return (unit_length(x, self.epsilon) * g.astype(jnp.float32)).astype(self.dtype)
+
+
+def unit_length(x: Array, epsilon: float) -> Array:
+  """x / ||x|| over the last axis, float32; ||x||^2 is held above `epsilon`."""
+  x32 = x.astype(jnp.float32)
+  return x32 * jax.lax.rsqrt(jnp.maximum(jnp.sum(x32 * x32, axis=-1, keepdims=True), epsilon))
 
 
 def normalization(config: TransformerConfig) -> nn.Module:
@@ -376,11 +372,12 @@ class Transformer(nn.Module):
   def _embed(self, tokens: Array, positions: Array, source: bool, train: bool) -> Array:
     """Token embedding * sqrt(d_model) + positional encoding, then dropout. -> [..., d_model]."""
     c = self.config
-    if c.share_embeddings:
-      table = self.embed
-    else:
-      table = self.source_embed if source else self.target_embed
-    x = table(tokens) * jnp.sqrt(jnp.asarray(c.d_model, c.dtype))
+    table = self.embed if c.share_embeddings else (
+        self.source_embed if source else self.target_embed)
+    x = table(tokens)
+    if c.fix_norm:  # Every embedding at unit length before the paper's sqrt(d_model).
+      x = unit_length(x, c.layer_norm_epsilon).astype(c.dtype)
+    x = x * jnp.sqrt(jnp.asarray(c.d_model, c.dtype))
     if c.positional == 'sinusoidal':
       x = x + jnp.asarray(sinusoidal_table(c.max_len, c.d_model), c.dtype)[positions]
     else:
@@ -392,7 +389,10 @@ class Transformer(nn.Module):
     matrix: its first `num_outputs` rows."""
     c = self.config
     if c.share_embeddings:
-      embedding = self.embed.embedding[:c.num_outputs].astype(c.dtype)
+      embedding = self.embed.embedding[:c.num_outputs]
+      if c.fix_norm:  # The output layer scores with the same unit-length rows.
+        embedding = unit_length(embedding, c.layer_norm_epsilon)
+      embedding = embedding.astype(c.dtype)
       project = lambda rows: jnp.einsum('...d,vd->...v', rows.astype(c.dtype), embedding,
                                         preferred_element_type=jnp.float32)
     else:

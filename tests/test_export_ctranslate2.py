@@ -189,12 +189,14 @@ def test_int8_model_translates_and_the_cli_reports_errors_in_one_line(trained_ru
   assert "activation 'gelu'" in last_line, stderr
 
 
-@pytest.mark.parametrize('pre_norm', [True, False])
-def test_scale_norm_runs_export_as_rms_norm_with_our_log_probabilities(pre_norm, tmp_path):
-  # A random model whose norms' gains are drawn too (not their initial sqrt(d_model)).
+@pytest.mark.parametrize('pre_norm, fix_norm', [(True, False), (False, False), (True, True)])
+def test_scale_norm_runs_export_as_rms_norm_with_our_log_probabilities(pre_norm, fix_norm,
+                                                                       tmp_path):
+  # A random model whose norms' gains are drawn too (not their initial sqrt(d_model)); with
+  # FixNorm its embedding rows' lengths too, which the export must write out as unit rows.
   config = TransformerConfig(vocab_size=24, d_model=16, num_heads=2, d_ff=32,
                              num_encoder_layers=2, num_decoder_layers=2, norm='scale',
-                             pre_norm=pre_norm, dropout_rate=0.0)
+                             pre_norm=pre_norm, fix_norm=fix_norm, dropout_rate=0.0)
   model = Transformer(config)
   rng = np.random.default_rng(0)
   sources = [rng.integers(3, 24, n).tolist() for n in (5, 9, 3)]
@@ -205,6 +207,9 @@ def test_scale_norm_runs_export_as_rms_norm_with_our_log_probabilities(pre_norm,
   params = model.init(jax.random.PRNGKey(0), inputs, outputs)['params']
   params = jax.tree_util.tree_map_with_path(
       lambda path, x: x * rng.uniform(0.5, 2.0) if path[-1].key == 'scale' else x, params)
+  if fix_norm:
+    params = {**params, 'embed': {'embedding': params['embed']['embedding']
+                                  * rng.uniform(0.2, 5.0, (24, 1)).astype(np.float32)}}
   pieces = [f'p{i}' for i in range(24)]
   export.ctranslate2_spec(config, params, pieces).save(str(tmp_path))
   scored = ctranslate2.Translator(str(tmp_path), intra_threads=1).score_batch(

@@ -257,10 +257,11 @@ def test_cached_decoding_matches_forward_greedy(cpu_tuned):
     assert max_abs(logits[:, 0], full[:, t]) < 1e-4, f'step {t}'
 
 
-@pytest.mark.parametrize('cpu_tuned, norm', [(True, 'layer'), (False, 'layer'), (True, 'scale')])
-def test_cached_decoding_matches_forward_beams(cpu_tuned, norm):
+@pytest.mark.parametrize('cpu_tuned, norm, fix_norm', [
+    (True, 'layer', False), (False, 'layer', False), (True, 'scale', False), (True, 'scale', True)])
+def test_cached_decoding_matches_forward_beams(cpu_tuned, norm, fix_norm):
   # Pre-LN here (post-LN above), so both variants' decoding paths (final norm) are covered.
-  config = small_config(pre_norm=True, cpu_tuned=cpu_tuned, norm=norm)
+  config = small_config(pre_norm=True, cpu_tuned=cpu_tuned, norm=norm, fix_norm=fix_norm)
   params, forward = init_params(config), make_forward(config)
   rng = np.random.default_rng(5)
   batch, beam, length = 2, 3, 6
@@ -680,6 +681,29 @@ def test_scale_norm_gives_every_position_the_learned_length():
   norms = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(init_params(config))[0]
            if any(getattr(k, 'key', '') == 'norm' for k in path)]
   assert len(norms) == 2 * 2 + 3 * 2 + 2 and all(n.shape == () for n in norms)
+
+
+def test_fix_norm_uses_only_the_direction_of_each_embedding_row():
+  # FixNorm: lengthening or shortening any row of the shared embedding changes nothing, in the
+  # embedded sources and targets and in the output layer alike; without it, everything.
+  rng = np.random.default_rng(12)
+  inputs, targets = random_tokens(rng, SRC), random_tokens(rng, TGT)
+  lengths = rng.uniform(0.2, 5.0, (VOCAB, 1)).astype(np.float32)
+  for fix_norm in (True, False):
+    config = small_config(pre_norm=True, norm='scale', fix_norm=fix_norm)
+    params, forward = init_params(config), make_forward(config)
+    rescaled = {**params, 'embed': {'embedding': params['embed']['embedding'] * lengths}}
+    change = max_abs(np.asarray(forward(rescaled, inputs, targets)),
+                     np.asarray(forward(params, inputs, targets)))
+    assert change < 1e-4 if fix_norm else change > 0.1, (fix_norm, change)
+  # Embedded tokens have the paper's length sqrt(d_model) before the positions are added.
+  config = small_config(fix_norm=True, positional='learned')
+  params = {**init_params(config), 'position_embed': {'embedding': jnp.zeros((32, 32))}}
+  embedded = Transformer(config).apply({'params': params}, inputs, np.zeros_like(inputs), True,
+                                       False, method=Transformer._embed)
+  np.testing.assert_allclose(np.linalg.norm(np.asarray(embedded), axis=-1), 32 ** 0.5, rtol=1e-5)
+  with pytest.raises(ValueError, match='share_embeddings'):
+    small_config(fix_norm=True, share_embeddings=False)
 
 
 def test_dropout_keep_mask_is_bernoulli_and_independent():
