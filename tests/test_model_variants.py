@@ -191,7 +191,7 @@ def test_config_from_json_with_dtype_names():
   fields = dict(vocab_size=VOCAB, d_model=16, num_heads=2, d_ff=32, num_encoder_layers=1,
                 num_decoder_layers=1, dropout_rate=0.1, attention_dropout_rate=0.0,
                 layer_drop_rate=0.0, max_len=24, share_embeddings=True, pre_norm=True,
-                norm='scale', positional='sinusoidal',
+                norm='scale', fix_norm=True, positional='sinusoidal',
                 activation='relu', attention_probs='softmax', attention_score='scaled_dot',
                 linear_attention=False, layer_norm_epsilon=1e-6,
                 dtype='bfloat16', param_dtype='float32', cpu_tuned=None,
