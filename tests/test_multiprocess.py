@@ -186,8 +186,11 @@ def test_a_killed_process_stops_the_others_with_an_error(tmp_path):
   assert time.time() - killed_at < 60  # The heartbeat timeout (10 s) and the abort.
   # The coordination service's heartbeat (JAX's abort) or the collective itself (train.py's
   # line) notices first, whichever the timing gives.
+  # On failure, the lines that say why it stopped (its stderr ends with a thread dump).
+  reasons = [line for line in survivor.stderr.splitlines()
+             if re.search(r'error|abort|exception|terminat|died|closed', line, re.IGNORECASE)]
   assert ('another task died' in survivor.stderr or 'unhealthy' in survivor.stderr
-          or 'lost another process of this run' in survivor.stderr), survivor.stderr[-2000:]
+          or 'lost another process of this run' in survivor.stderr), '\n'.join(reasons[-20:])
   # Resuming from the last checkpoint is the other tests' claim (and taking over a dead
   # holder's workdir lock tests/test_workdir_lock.py's).
 
