@@ -4,7 +4,8 @@
       [--dtype float32|bfloat16] [--breakdown] [--attention-probs sparsemax|entmax15] \
       [--vocab 8000] [--output-vocab 0] [--d-model 256] [--d-ff 1024] [--layers 3] \
       [--batch 64] [--length 32] \
-      [--attention-score dot|bilinear|additive] [--linear-attention]
+      [--attention-score dot|bilinear|additive] [--linear-attention] [--pre-norm] \
+      [--norm layer|scale] [--fix-norm]
 
 Builds the step exactly as training does (configs/multi30k.py + overrides,
 `sharding.make_mesh`, `init_train_state`, `sharding.state_shardings`, `compile_train_step`,
@@ -86,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   parser.add_argument('--pre-norm', action='store_true', help='Pre-LN instead of post-LN.')
   parser.add_argument('--norm', default='layer', choices=('layer', 'scale'),
                       help="'scale': ScaleNorm (with --pre-norm).")
+  parser.add_argument('--fix-norm', action='store_true',
+                      help='FixNorm: unit-length embedding rows.')
   parser.add_argument('--peak-size', type=int, default=2048, help='Matmul size for the peak.')
   parser.add_argument('--peak-runs', type=int, default=10, help='Timed matmuls; the best counts.')
   return parser.parse_args(argv)
@@ -100,7 +103,7 @@ def make_config(args: argparse.Namespace):
       num_encoder_layers=args.layers, num_decoder_layers=args.layers, dropout_rate=args.dropout,
       attention_dropout_rate=0.0, dtype=args.dtype, attention_probs=args.attention_probs,
       attention_score=args.attention_score, linear_attention=args.linear_attention,
-      pre_norm=args.pre_norm, norm=args.norm)
+      pre_norm=args.pre_norm, norm=args.norm, fix_norm=args.fix_norm)
   config.model.max_len = max(config.model.max_len, args.length)
   # An output layer over the first ids is what train.py sets from the ordered tokenizer.
   config.data.update(batch_size=args.batch, max_length=args.length,
