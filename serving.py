@@ -65,7 +65,7 @@ Batcher = serving_batcher.Batcher
 make_http_server = serving_http.make_http_server
 
 
-# Input lines follow input_pipeline.read_lines/stream_lines (decode.py's), repeated here because
+# Input lines follow nmt/text_io.py's read_lines/stream_lines (decode.py's), repeated here because
 # this file runs without the project's code; tests/test_input_pipeline.py holds them equal.
 
 
