@@ -7,7 +7,7 @@
 here and then runs SCRIPT as `__main__` with ARGS. mock_data reads the dataset's metadata from a
 folder of this process (MockPolicy.USE_FILES), written first from the builder's own
 `DatasetInfo` plus the named splits: the builder then has those splits, is prepared, and is
-read through the product's own checks (`input_pipeline.prepared_builder`, `_check_split`).
+read through the product's own checks (`nmt/data_sources.py`: `prepared_builder`, `open_split`).
 Every split, and every part of `tfds.even_splits` of one, yields the same `num_examples` pairs
 of mock_data's random strings (10-19 characters of ' abcdefghij' per language); the metadata
 gives each split that many examples.
