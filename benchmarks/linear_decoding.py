@@ -6,7 +6,7 @@ entry per step, linear attention's state does not ("Transformers are RNNs").
 Random weights of the Multi30k model's shape (vocabulary 8000, d_model 256, d_ff 1024,
 4 heads, 3+3 layers, float32) with softmax or linear attention; 8 sources of 24 tokens, beam 4,
 every sentence forced to the full output length. Both models decode with the searches the
-product uses on this backend (on CPU, softmax with model/cpu_decoding.py's growing cache).
+product uses on this backend (on CPU, softmax with model/cpu/decoding.py's growing cache).
 Per length and model: the best of `--repeats` runs after a compiling one, as milliseconds per
 decoding step.
 """
