@@ -77,7 +77,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
     # The output layer covers the training targets' pieces: the tokenizer (trained here on a
     # fresh run, or the one --init_params_from's parameters were trained with) comes first.
     if init_params_from and not os.path.isfile(os.path.join(workdir, 'tokenizer.model')):
-      train_state.copy_tokenizer(init_params_from.partition(':')[0], workdir)
+      train_state.copy_tokenizer(init_params_from, workdir)
     tokenizer = input_pipeline.load_or_train_tokenizer(config, workdir,
                                                        process_index=jax.process_index())
     needed = input_pipeline.output_vocab_size(config, tokenizer,
@@ -95,7 +95,7 @@ def _train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, mesh: j
                                                        init_params_from)
   meta = meta or {}
   if init_params_from and not meta:
-    train_state.copy_tokenizer(init_params_from.partition(':')[0], workdir)
+    train_state.copy_tokenizer(init_params_from, workdir)
   if jax.process_index() == 0:
     with open(os.path.join(workdir, 'config.json'), 'w', encoding='utf-8') as f:
       f.write(config.to_json_best_effort(indent=2))
@@ -236,8 +236,9 @@ def define_flags():
   flags.DEFINE_string('workdir', None, 'Run directory (checkpoints, logs, tokenizer).')
   startup.define_distributed_flags()
   flags.DEFINE_string('init_params_from', None, 'A fresh run starts from the parameters of '
-                      "another run: 'RUN_DIR' (its newest checkpoint), 'RUN_DIR:STEP' or "
-                      "'RUN_DIR:averaged'; optimizer state and step start anew (fine-tuning).")
+                      "another run: 'RUN_DIR' (its newest checkpoint), 'RUN_DIR:STEP', "
+                      "'RUN_DIR:averaged', 'RUN_DIR:best' or 'RUN_DIR:ema'; optimizer state and "
+                      'step start anew (fine-tuning).')
 
 
 def parse_flags(argv: list[str]) -> list[str]:

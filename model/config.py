@@ -78,6 +78,20 @@ class TransformerConfig:
   def __post_init__(self):
     for name in ('dtype', 'param_dtype'):  # 'bfloat16' and jnp.bfloat16 alike.
       object.__setattr__(self, name, jnp.dtype(getattr(self, name)))
+    for name in ('vocab_size', 'd_model', 'num_heads', 'd_ff', 'num_encoder_layers',
+                 'num_decoder_layers', 'max_len'):
+      if getattr(self, name) < 1:
+        raise ValueError(f'{name} must be positive, got {getattr(self, name)}.')
+    for name in ('dropout_rate', 'attention_dropout_rate'):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f'{name} must be in [0, 1), got {getattr(self, name)}.')
+    if self.attention_implementation not in (None, 'xla', 'cudnn'):
+      raise ValueError("attention_implementation must be None, 'xla' or 'cudnn', got "
+                       f'{self.attention_implementation!r}.')
+    if self.attention_implementation == 'cudnn' and self.dtype not in (jnp.bfloat16,
+                                                                        jnp.float16):
+      raise ValueError("attention_implementation='cudnn' needs dtype bfloat16 or float16, got "
+                       f'{self.dtype}.')
     if not 0 <= self.output_vocab_size <= self.vocab_size:
       raise ValueError(f'output_vocab_size must be in [0, vocab_size={self.vocab_size}] (0: '
                        f'every id), got {self.output_vocab_size}.')

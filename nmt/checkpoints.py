@@ -48,6 +48,15 @@ NAMED_CHECKPOINTS = ('averaged', 'best', 'ema')
 T = TypeVar('T')
 
 
+def split_run_checkpoint(spec: str) -> tuple[str, str | None]:
+  """'RUN' or 'RUN:CHECKPOINT' (a step number or one of NAMED_CHECKPOINTS) -> (RUN, CHECKPOINT
+  or None). Any other text after the last ':' belongs to the run's path."""
+  run, _, checkpoint = spec.rpartition(':')
+  if run and (checkpoint.isdigit() or checkpoint in NAMED_CHECKPOINTS):
+    return run, checkpoint
+  return spec, None
+
+
 class CheckpointMismatchError(ValueError):
   """Readable checkpoints whose arrays do not fit the model or optimizer being restored."""
 

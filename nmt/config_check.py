@@ -7,6 +7,7 @@ import ml_collections
 from jax.sharding import Mesh
 
 from model import make_model
+from model.search import STOPPING_RULES, check_alpha, check_min_length
 from nmt.keep_best import BEST_METRICS
 
 
@@ -42,6 +43,22 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if config.eval.bleu_sentences < 0:
     raise ConfigError(f'eval.bleu_sentences must be 0 (no BLEU) or more, got '
                       f'{config.eval.bleu_sentences}.')
+  decode = config.decode
+  try:
+    check_alpha(decode.alpha)
+    check_min_length(decode.min_length)
+  except ValueError as error:
+    raise ConfigError(f'config.decode: {error}') from None
+  output_limit = min(decode.max_length, config.model.get('max_len', decode.max_length))
+  if decode.min_length >= output_limit:
+    raise ConfigError(f'decode.min_length={decode.min_length} must be below the output length '
+                      f'limit {output_limit} (decode.max_length, model.max_len).')
+  if decode.stopping not in STOPPING_RULES:
+    raise ConfigError(f'decode.stopping must be one of {STOPPING_RULES}, got '
+                      f'{decode.stopping!r}.')
+  if config.model.get('attention_implementation') == 'cudnn' and jax.default_backend() != 'gpu':
+    raise ConfigError("model.attention_implementation='cudnn' runs on GPUs only; this run's "
+                      f"backend is {jax.default_backend()!r} (leave it unset, or 'xla').")
   if config.decode.beam_size > config.model.vocab_size:
     raise ConfigError(f'decode.beam_size={config.decode.beam_size} exceeds the vocabulary '
                       f'(model.vocab_size={config.model.vocab_size}).')

@@ -59,9 +59,7 @@ def load_ensemble(members: str, weights: str | None, tokenizer: Any, mesh: Any, 
   weights."""
   models, trees, origins = [model], [params], [origin]
   for member in filter(None, (m.strip() for m in members.split(','))):
-    run, _, checkpoint = member.rpartition(':')
-    if not run or not (checkpoint.isdigit() or checkpoint in checkpoints.NAMED_CHECKPOINTS):
-      run, checkpoint = member, None
+    run, checkpoint = checkpoints.split_run_checkpoint(member)
     _, member_tokenizer, member_model = load_run(run)
     if member_tokenizer.fingerprint != tokenizer.fingerprint:
       raise ValueError(f'--ensemble member {run} has another tokenizer than --workdir: an '

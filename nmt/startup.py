@@ -30,9 +30,16 @@ def initialize_distributed_from_flags() -> None:
   """jax.distributed.initialize() if --distributed was given (before any other JAX call)."""
   settings = flags.FLAGS
   if settings.distributed:
-    jax.distributed.initialize(num_processes=settings.num_processes,
-                               process_id=settings.process_id,
-                               heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)
+    try:
+      jax.distributed.initialize(num_processes=settings.num_processes,
+                                 process_id=settings.process_id,
+                                 heartbeat_timeout_seconds=settings.heartbeat_timeout_seconds)
+    except (ValueError, TypeError) as error:  # Settings missing or inconsistent.
+      raise SystemExit(
+          f'error: --distributed: {error} Without a cluster launcher JAX detects (SLURM, Open '
+          'MPI, Kubernetes, Cloud TPU), set JAX_COORDINATOR_ADDRESS (host:port of process 0), '
+          '--num_processes and --process_id (0 to num_processes - 1) on every process '
+          '(docs/clusters.md).') from None
 
 
 def use_compilation_cache(workdir: str) -> None:

@@ -28,8 +28,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
                     init_params_from: str | None = None):
   """The training state on `mesh`: from the newest intact checkpoint, or fresh.
 
-  A fresh state takes its parameters from `init_params_from` when given ('RUN_DIR',
-  'RUN_DIR:STEP' or 'RUN_DIR:averaged'; its optimizer state and step start anew).
+  A fresh state takes its parameters from `init_params_from` when given ('RUN_DIR' or
+  'RUN_DIR:CHECKPOINT', `checkpoints.split_run_checkpoint`; its optimizer state and step start
+  anew).
   Returns (state, its shardings, the restored checkpoint's meta or None when fresh).
   """
   ema = config.optimizer.ema_decay > 0
@@ -46,10 +47,9 @@ def restore_or_init(config: ml_collections.ConfigDict, model: Transformer,
       abstract_ema=abstract_params if ema else None)
   if restored is None:
     if init_params_from:
-      run, _, checkpoint = init_params_from.partition(':')
+      run, checkpoint = checkpoints.split_run_checkpoint(init_params_from)
       try:
-        state['params'], origin = checkpoints.load_params(run, checkpoint or None,
-                                                          target=abstract_params)
+        state['params'], origin = checkpoints.load_params(run, checkpoint, target=abstract_params)
       except checkpoints.CheckpointMismatchError as error:
         raise checkpoints.CheckpointMismatchError(
             f'--init_params_from={init_params_from}: its parameters do not fit this config\'s '
@@ -90,13 +90,16 @@ def whole_data_state(train_iter: Any) -> dict[str, Any]:
   return state
 
 
-def copy_tokenizer(source_run: str, workdir: str) -> None:
-  """Gives `workdir` the tokenizer of the run its parameters come from (their vocabulary)."""
+def copy_tokenizer(init_params_from: str, workdir: str) -> None:
+  """Gives `workdir` the tokenizer of the run its parameters come from (their vocabulary):
+  `init_params_from` is 'RUN_DIR' or 'RUN_DIR:CHECKPOINT'."""
+  source_run, _ = checkpoints.split_run_checkpoint(init_params_from)
   source = os.path.join(source_run, 'tokenizer.model')
   target = os.path.join(workdir, 'tokenizer.model')
   if not os.path.isfile(source):
     raise FileNotFoundError(f'{source} not found: --init_params_from must name a training '
-                            'workdir.')
+                            'workdir, optionally followed by :STEP or :' +
+                            ', :'.join(checkpoints.NAMED_CHECKPOINTS) + '.')
   with open(source, 'rb') as f:
     tokenizer = f.read()
   if os.path.isfile(target):

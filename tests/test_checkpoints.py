@@ -85,6 +85,17 @@ def leaves(tree):
 # ----------------------------------------------------------------------------- checksums
 
 
+def test_a_run_and_checkpoint_spec_splits_at_the_last_colon_only_before_a_checkpoint_name():
+  split = checkpoints.split_run_checkpoint
+  assert split('runs/a') == ('runs/a', None)
+  assert split('runs/a:1200') == ('runs/a', '1200')
+  assert [split(f'runs/a:{name}') for name in checkpoints.NAMED_CHECKPOINTS] == [
+      ('runs/a', name) for name in checkpoints.NAMED_CHECKPOINTS]
+  assert split('runs/a:b') == ('runs/a:b', None)  # A colon in the path.
+  assert split('runs/x:1/a:ema') == ('runs/x:1/a', 'ema')
+  assert split(':ema') == (':ema', None)
+
+
 def test_checksums_do_not_depend_on_the_layout_and_see_one_changed_bit():
   rng = np.random.default_rng(0)
   tree = {'kernel': rng.normal(size=(16, 24)).astype(np.float32),
@@ -255,6 +266,8 @@ def test_init_params_from_starts_a_fresh_run_from_another_runs_parameters(run, t
   with pytest.raises(checkpoints.CheckpointMismatchError, match=r'init_params_from.*saved'):
     restore_for_training(run_config(model__d_ff=48), str(tmp_path / 'other'),
                          init_params_from=run)
+  with pytest.raises(FileNotFoundError, match=r':latest'):  # No such checkpoint name.
+    restore_for_training(config, str(tmp_path / 'typo'), init_params_from=f'{run}:latest')
 
 
 @needs_multi30k

@@ -379,6 +379,23 @@ def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
   assert not os.listdir(tmp_path)  # Nothing started.
 
 
+def test_cli_distributed_without_cluster_settings_says_what_to_set(tmp_path):
+  import subprocess
+  import sys
+
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  cluster = ('SLURM_', 'OMPI_', 'JAX_COORDINATOR', 'KUBERNETES_', 'TPU_', 'CLOUD_TPU')
+  env = {k: v for k, v in os.environ.items() if not k.startswith(cluster)}
+  result = subprocess.run(
+      [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
+       '--distributed'], cwd=repo, capture_output=True, text=True, timeout=300,
+      env={**env, 'TRANSFORMER_KEEP_MALLOC': '1'})
+  assert result.returncode != 0
+  assert 'Traceback' not in result.stderr, result.stderr
+  assert 'JAX_COORDINATOR_ADDRESS' in result.stderr and '--process_id' in result.stderr
+  assert not os.listdir(tmp_path)
+
+
 def test_bad_config_errors_before_compiling():
   mesh = sharding.make_mesh('')
   with pytest.raises(config_check.ConfigError, match='divide over'):
@@ -399,7 +416,19 @@ def test_bad_config_errors_before_compiling():
                           ({'eval.bleu_sentences': -1}, 'bleu_sentences'),
                           ({'optimizer.label_smoothing': 1.0}, 'label_smoothing'),
                           ({'keep_checkpoints': 0}, 'keep_checkpoints'),
-                          ({'data.max_length': 0}, 'max_length')):
+                          ({'data.max_length': 0}, 'max_length'),
+                          ({'model.num_heads': 0}, 'num_heads must be positive'),
+                          ({'model.d_ff': -8}, 'd_ff must be positive'),
+                          ({'model.dropout_rate': 1.0}, r'dropout_rate must be in \[0, 1\)'),
+                          ({'model.attention_implementation': 'flash'},
+                           'attention_implementation must be'),
+                          ({'model.attention_implementation': 'cudnn'}, 'bfloat16 or float16'),
+                          ({'model.attention_implementation': 'cudnn',
+                            'model.dtype': 'bfloat16'}, 'GPUs only'),
+                          ({'decode.stopping': 'late'}, 'decode.stopping must be one of'),
+                          ({'decode.alpha': -1.0}, 'length-penalty exponent'),
+                          ({'decode.min_length': -1}, 'min_length must be an integer'),
+                          ({'decode.min_length': 300}, 'min_length=300 must be below')):
     with pytest.raises(config_check.ConfigError, match=message):
       config_check.validate_config(small_config(change), mesh)
 
