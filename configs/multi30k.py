@@ -53,6 +53,9 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.data.packing_bins = 64  # Rows each shard packs pairs into at once (best fit).
   config.data.num_workers = 0  # Grain worker processes per host (0: in the training process).
   config.data.bpe_dropout = 0.0  # Probability of skipping a BPE merge, training only.
+  # Probability of replacing each piece of a training source with the unknown token (word
+  # dropout), training only.
+  config.data.source_token_dropout = 0.0
   # The tokenizer numbers the pieces of the training targets first, and train.py sets
   # model.output_vocab_size to cover just them: no logits for pieces no target holds.
   config.data.target_pieces_first = True

@@ -85,6 +85,9 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
     raise ConfigError(f'data.packing_bins must be positive ({data.packing_bins}), '
                       f'data.num_workers 0 or more ({data.num_workers}), data.bpe_dropout in '
                       f'[0, 1) ({data.bpe_dropout}).')
+  if not 0 <= data.get('source_token_dropout', 0.0) < 1:
+    raise ConfigError(f'data.source_token_dropout must be in [0, 1) (0: off), got '
+                      f'{data.source_token_dropout}.')
   if data.get('target_pieces_first'):
     if config.model.get('architecture', 'transformer') != 'transformer':
       raise ConfigError('data.target_pieces_first sizes the Transformer\'s output layer; '

@@ -19,6 +19,7 @@ import grain
 import numpy as np
 from absl import flags, logging
 
+from model.tokens import UNK_ID
 from nmt.data_sources import PairSource
 from nmt.text_io import DataError
 from nmt.tokenizer import Tokenizer, load_tokenizer
@@ -41,16 +42,18 @@ class Settings:
   packing_bins: int
   num_workers: int
   bpe_dropout: float
+  source_token_dropout: float = 0.0
 
   @classmethod
   def of(cls, config, tokenizer_path: str) -> Settings:
-    return cls(tokenizer_path, config.seed, *(config.data[f.name] for f in
+    return cls(tokenizer_path, config.seed, *(config.data.get(f.name, f.default) for f in
                                               dataclasses.fields(cls)[2:]))
 
 
 class EncodeChunk(grain.transforms.RandomMap):
   """Shuffled local indices of a shard -> the token ids of its pairs that survive (BPE-dropout
-  from the chunk's own generator) and how many were dropped, per reason in DROPS."""
+  and source token dropout from the chunk's own generator) and how many were dropped, per
+  reason in DROPS."""
 
   def __init__(self, source: PairSource, shard: int, settings: Settings):
     self._source, self._shard, self._settings = source, shard, settings
@@ -71,8 +74,19 @@ class EncodeChunk(grain.transforms.RandomMap):
     ids = [self._tokenizer.encode([pair[side] for pair in texts], dropout=settings.bpe_dropout,
                                   rng=rng) for side in (0, 1)]
     fits = [(s, t) for s, t in zip(*ids) if max(len(s), len(t)) <= settings.max_length]
+    if settings.source_token_dropout:
+      fits = [(drop_tokens(s, settings.source_token_dropout, rng), t) for s, t in fits]
     return {'pairs': fits, 'read': len(indices), 'invalid': len(indices) - len(decoded),
             'empty': len(decoded) - len(texts), 'long': len(texts) - len(fits)}
+
+
+def drop_tokens(ids: np.ndarray, rate: float, rng: np.random.Generator) -> np.ndarray:
+  """ids [length] (ending in EOS) with each other piece replaced by UNK_ID with probability
+  `rate`: word dropout (Sennrich & Zhang 2019; Gal & Ghahramani 2016) at the piece level, the
+  unknown token's embedding standing in for the dropped piece."""
+  dropped = rng.random(len(ids)) < rate
+  dropped[-1] = False  # The end of the sentence stays.
+  return np.where(dropped, UNK_ID, ids).astype(ids.dtype)
 
 
 class Unchunk(grain.experimental.FlatMapTransform):

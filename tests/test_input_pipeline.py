@@ -633,11 +633,12 @@ def test_global_batches_do_not_depend_on_process_count(small):
 
 
 @needs_multi30k
-@pytest.mark.parametrize('bpe_dropout', [0.0, 0.1])
-def test_resume_equals_uninterrupted_run(small, bpe_dropout):
+@pytest.mark.parametrize('dropout', [{}, {'bpe_dropout': 0.1, 'source_token_dropout': 0.1}])
+def test_resume_equals_uninterrupted_run(small, dropout):
   """A state saved after k batches (through JSON) continues with the uninterrupted batches,
-  across a shard's epoch end; with BPE-dropout too, whose pieces are drawn anew per chunk."""
-  config = _train(small[0], bpe_dropout=bpe_dropout)
+  across a shard's epoch end; with BPE-dropout and source token dropout too, drawn anew per
+  chunk."""
+  config = _train(small[0], **dropout)
   uninterrupted, _ = _global_batches(config, 1, 45)
   for k in (1, 13, 30):
     first, state = _global_batches(config, 1, k)
@@ -684,6 +685,43 @@ def test_bpe_dropout_changes_training_pieces_only(small, tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in ('inputs', 'targets'))
   plain.train.close()
   with_dropout.train.close()
+
+
+def test_drop_tokens_replaces_pieces_by_unk_at_its_rate_and_keeps_the_end():
+  rng = np.random.default_rng(1)
+  ids = np.append(rng.integers(3, 1000, 20_000), EOS_ID).astype(np.int32)
+  dropped = tp.drop_tokens(ids, 0.2, np.random.default_rng(2))
+  assert dropped.dtype == np.int32 and dropped.shape == ids.shape and dropped[-1] == EOS_ID
+  replaced = dropped != ids
+  assert np.all(dropped[replaced] == UNK_ID)
+  assert 0.19 < replaced.mean() < 0.21
+  assert np.array_equal(dropped, tp.drop_tokens(ids, 0.2, np.random.default_rng(2)))
+  assert np.array_equal(tp.drop_tokens(ids[-1:], 0.9, rng), ids[-1:])  # An empty source.
+
+
+@needs_multi30k
+def test_source_token_dropout_changes_training_sources_only(small):
+  """The same pairs in the same rows: only source pieces become UNK, about at the rate;
+  targets, positions and the evaluation batches stay as they are."""
+  config = _train(small[0])
+  plain, dropped = (_global_batches(_with_data(config, source_token_dropout=p), 1, 6)[0]
+                    for p in (0.0, 0.25))
+  for a, b in zip(plain, dropped, strict=True):
+    for key in ip.FEATURE_KEYS:
+      if key != 'inputs':
+        np.testing.assert_array_equal(a[key], b[key])
+    changed = a['inputs'] != b['inputs']
+    assert np.all(b['inputs'][changed] == UNK_ID) and not np.any(a['inputs'][changed] == EOS_ID)
+  pieces = sum(int(((a['inputs'] > EOS_ID)).sum()) for a in plain)
+  unk = sum(int((b['inputs'] == UNK_ID).sum() - (a['inputs'] == UNK_ID).sum())
+            for a, b in zip(plain, dropped))
+  assert 0.2 < unk / pieces < 0.3, unk / pieces
+  eval_plain, eval_dropped = (ip.make_data(_with_data(config, source_token_dropout=p),
+                                           config.workdir) for p in (0.0, 0.25))
+  for a, b in zip(eval_plain.eval_batches, eval_dropped.eval_batches, strict=True):
+    assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
+  eval_plain.train.close()
+  eval_dropped.train.close()
 
 
 @needs_multi30k
@@ -750,6 +788,10 @@ def test_shards_must_divide_the_batch_and_the_processes(monkeypatch):
   monkeypatch.undo()
   config.data.bpe_dropout = 1.0
   with pytest.raises(config_check.ConfigError, match=r'bpe_dropout in \[0, 1\)'):
+    config_check.validate_config(config, mesh)
+  config.data.bpe_dropout = 0.0
+  config.data.source_token_dropout = -0.1
+  with pytest.raises(config_check.ConfigError, match=r'source_token_dropout must be in \[0, 1\)'):
     config_check.validate_config(config, mesh)
 
 
