@@ -46,8 +46,10 @@ class Settings:
 
   @classmethod
   def of(cls, config, tokenizer_path: str) -> Settings:
-    return cls(tokenizer_path, config.seed, *(config.data.get(f.name, f.default) for f in
-                                              dataclasses.fields(cls)[2:]))
+    # A field with a default may be missing from configs written before it.
+    return cls(tokenizer_path, config.seed, *(
+        config.data[f.name] if f.default is dataclasses.MISSING else
+        config.data.get(f.name, f.default) for f in dataclasses.fields(cls)[2:]))
 
 
 class EncodeChunk(grain.transforms.RandomMap):

@@ -722,6 +722,9 @@ def test_source_token_dropout_changes_training_sources_only(small):
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
   eval_plain.train.close()
   eval_dropped.train.close()
+  older = config.copy_and_resolve_references()  # A config written before the setting.
+  del older.data['source_token_dropout']
+  assert tp.Settings.of(older, 'tokenizer.model').source_token_dropout == 0.0
 
 
 @needs_multi30k
