@@ -5,8 +5,8 @@
   python decode.py --workdir runs/multi30k --split test_2016_flickr --checkpoint ema
 
 A post-LN Transformer (d_model 256, FFN 512, 3+3 layers, a 10k joint vocabulary whose output
-layer covers the German pieces only, 6.5M parameters) that reaches about 38.5 BLEU on
-test_2016_flickr in 2,400 steps, decoded from the moving average of its parameters.
+layer covers the German pieces only, 6.5M parameters) with weight decay, that reaches about
+39.5 BLEU on test_2016_flickr in 2,400 steps, decoded from the moving average of its parameters.
 `configs/multi30k.py:full` is the published Transformer-tiny (4+4 layers of d_model 128, 2.6M
 parameters) with pre-norm ScaleNorm, for 10,000 steps of twice the rows, about 40.7, decoded the
 same way:
@@ -101,7 +101,9 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
   config.optimizer.adam_b1 = 0.9
   config.optimizer.adam_b2 = 0.98
   config.optimizer.adam_eps = 1e-9
-  config.optimizer.weight_decay = 0.0
+  # AdamW's decoupled decay of the matrices (embeddings included), scaled by the learning rate;
+  # the paper has none. On 29k pairs it raises `val` BLEU at every seed tried (BENCHMARKS.md).
+  config.optimizer.weight_decay = 0.1
   config.optimizer.grad_clip_norm = 0.0  # 0 = no clipping.
   config.optimizer.label_smoothing = 0.1
   # R-Drop (nmt/optimization.py): > 0 adds this weight times the two dropout passes' KL;
@@ -167,6 +169,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
     config.model.norm = 'scale'
     config.optimizer.warmup_steps = 2000
     config.optimizer.learning_rate_scale = 2.5
+    config.optimizer.weight_decay = 0.0  # The recipe as measured.
     config.average_last_checkpoints = 5
     config.eval.every_steps = 500
     config.eval.bleu_every_steps = 1000

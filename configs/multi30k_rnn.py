@@ -30,6 +30,7 @@ def get_config(budget: str = 'quick') -> ml_collections.ConfigDict:
     config.optimizer.cooldown_fraction = 0.25
     config.optimizer.ema_decay = 0.0
   config.decode.alpha = 0.6  # Its measured decode.
+  config.optimizer.weight_decay = 0.0  # Its measured optimizer: the paper's Adam.
   # model.make_model(config.model): every field of RNNConfig.
   config.data.target_pieces_first = False  # It sizes the Transformer's output layer.
   config.model = ml_collections.ConfigDict()

@@ -36,6 +36,7 @@ def get_config():
   config.optimizer.warmup_steps = 4000
   config.optimizer.cooldown_fraction = 0.0  # The paper's schedule to the end.
   config.optimizer.ema_decay = 0.0  # The paper averages checkpoints instead.
+  config.optimizer.weight_decay = 0.0  # The paper's Adam.
   config.checkpoint_every_steps = 2000
   config.keep_checkpoints = 5
   config.average_last_checkpoints = 5

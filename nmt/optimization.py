@@ -47,8 +47,9 @@ def cooldown_steps(config: ml_collections.ConfigDict) -> int:
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
   """Adam (beta 0.9/0.98, eps 1e-9), optional global-norm clipping and decoupled weight decay.
 
-  Clipping applies to the raw gradients, before Adam. Weight decay (AdamW's, off by default as
-  in the paper) applies to matrices (kernels, embeddings), not to biases or LayerNorm scales.
+  Clipping applies to the raw gradients, before Adam. Weight decay (AdamW's; the default
+  recipe's 0.1, none in the paper) applies to matrices (kernels, embeddings), not to biases or
+  LayerNorm scales.
   """
   c = config.optimizer
   # No mask without decay: a mask changes the optimizer state's tree, which a checkpoint must fit.

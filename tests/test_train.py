@@ -330,7 +330,7 @@ def test_learning_rate_follows_the_step_through_skipped_updates():
   """A skipped update still advances the schedule: the next update uses (and logs) the rate of
   its own step. Before, optax's count stood still on a skip and the logged rate was not the
   applied one."""
-  config = small_config()
+  config = small_config({'optimizer.weight_decay': 0.0})  # Adam's step alone, measured below.
   state, step_fn, batch_sharding = _setup(config, jax.devices()[:1])
   schedule = optimization.learning_rate_schedule(config)
   batch = random_batch(np.random.default_rng(4), 16, 24, 40)
