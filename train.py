@@ -18,6 +18,7 @@ if __name__ == '__main__':
   glibc_malloc.reexec_with_malloc_settings()
 
 import os
+import re
 import sys
 import traceback
 from typing import Any
@@ -220,10 +221,27 @@ def report_end(step: int, stopped: bool, out_of_time: bool, time_limit: float,
 # ----------------------------------------------------------------------------- command line
 
 
+# Keys that recipes and scripts of earlier versions set: what replaced them.
+RENAMED_CONFIG_KEYS = {'cooldown_steps': 'optimizer.cooldown_fraction, the share of '
+                                         'num_train_steps the cooldown takes (e.g. 0.25)'}
+
+
 def exit_on_unknown_config_key(error: Exception):
-  key = str(error).strip('"\'').split("'")[0].strip()
-  sys.exit(f'error: --config.{key}: the config has no such key (the config file lists them; '
-           'keys are grouped, e.g. --config.model.d_model, --config.data.batch_size).')
+  # ml_collections names only the missing leaf (and may suggest a near one); the flag as typed
+  # names its group too.
+  message = str(error)
+  leaf = re.search(r'\w+', message).group()
+  given = [arg[2:].split('=')[0] for arg in sys.argv[1:] if arg.startswith('--config.')]
+  key = next((k for k in given if k.rsplit('.', 1)[-1] == leaf), f'config.{leaf}')
+  suggestion = re.search(r'Did you mean "(\w+)"', message)
+  if leaf in RENAMED_CONFIG_KEYS:
+    hint = f' It is now {RENAMED_CONFIG_KEYS[leaf]}.'
+  elif suggestion:
+    hint = f' Did you mean --{key.rsplit(".", 1)[0]}.{suggestion.group(1)}?'
+  else:
+    hint = (' The config file lists them; keys are grouped, e.g. --config.model.d_model, '
+            '--config.data.batch_size.')
+  sys.exit(f'error: --{key}: the config has no such key.{hint}')
 
 
 def define_flags():

@@ -54,7 +54,7 @@ def train_command(variant: str, workdir: str, minutes: float) -> list[str]:
   config, overrides, _ = VARIANTS[variant]
   return [sys.executable, 'train.py', f'--config={config}', f'--workdir={workdir}',
           *overrides, f'--config.max_train_minutes={minutes}',
-          '--config.num_train_steps=1000000', '--config.optimizer.cooldown_steps=0',
+          '--config.num_train_steps=1000000', '--config.optimizer.cooldown_fraction=0',
           '--config.eval.bleu_every_steps=250', '--config.eval.every_steps=250']
 
 

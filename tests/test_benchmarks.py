@@ -1,5 +1,6 @@
 """Smoke tests of the benchmarks (train step, input pipeline, matmul peak, plots) on tiny inputs."""
 
+import importlib
 import json
 import os
 import shutil
@@ -179,6 +180,17 @@ def test_attention_comparison_commands_and_report(tmp_path, capsys):
   assert 'configs/multi30k_rnn.py' in ' '.join(command)
   assert '--config.model.attention_score=general' in command
   assert '--config.max_train_minutes=20' in command
+  # Every variant's command sets only keys its config has (train.py rejects any other).
+  for variant, (config_file, _, _) in comparison.VARIANTS.items():
+    module = importlib.import_module(config_file[:-len('.py')].replace('/', '.'))
+    config = module.get_config()
+    for arg in comparison.train_command(variant, str(tmp_path / variant), 20):
+      if arg.startswith('--config.'):
+        *groups, key = arg[len('--config.'):].split('=')[0].split('.')
+        node = config
+        for group in groups:
+          node = node[group]
+        assert key in node, (variant, arg)
   with pytest.raises(SystemExit, match='no .*comparison.json yet'):
     comparison.report(str(tmp_path), None, None)
   for variant, bleu in (('transformer_softmax', 30.0), ('rnn_luong', 20.0)):

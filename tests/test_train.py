@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -372,11 +373,24 @@ def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
-       '--config.no_such_key=1'], cwd=repo, capture_output=True, text=True, timeout=300,
+       '--config.model.dmodel=1'], cwd=repo, capture_output=True, text=True, timeout=300,
       env={**os.environ, 'TRANSFORMER_KEEP_MALLOC': '1'})
   assert result.returncode != 0
-  assert 'no_such_key' in result.stderr and 'Traceback' not in result.stderr, result.stderr
+  assert 'Traceback' not in result.stderr, result.stderr
+  # The flag as typed (ml_collections names only its last part) and the key it is close to.
+  assert '--config.model.dmodel: the config has no such key. Did you mean --config.model.d_model?' \
+      in result.stderr, result.stderr
   assert not os.listdir(tmp_path)  # Nothing started.
+
+
+def test_unknown_config_key_messages_name_the_flag_and_what_replaced_a_renamed_key(monkeypatch):
+  monkeypatch.setattr(sys, 'argv', ['train.py', '--config.seed=1', '--config.no_such_key=1',
+                                    '--config.optimizer.cooldown_steps=500'])
+  with pytest.raises(SystemExit, match=r'--config\.no_such_key: .*The config file lists them'):
+    train.exit_on_unknown_config_key(KeyError("'no_such_key'"))
+  with pytest.raises(SystemExit, match=r'--config\.optimizer\.cooldown_steps: .*It is now '
+                     r'optimizer\.cooldown_fraction'):
+    train.exit_on_unknown_config_key(AttributeError("'cooldown_steps'"))
 
 
 def test_cli_distributed_without_cluster_settings_says_what_to_set(tmp_path):
