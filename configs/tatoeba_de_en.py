@@ -7,8 +7,8 @@
 The folder holds aligned `{train,valid,test}.{de,en}` files (on these machines
 ../shared/data/tatoeba_deu_small: 45k training pairs of at most 7 English words).
 Multi30k's default recipe (d_model 256, FFN 512, 3+3 layers, a 10k joint vocabulary whose
-output layer covers the English pieces, 2,400 steps, the moving average decoded) with the
-paper's length penalty (BENCHMARKS.md has its runs).
+output layer covers the English pieces, weight decay, 2,400 steps, the moving average
+decoded) with the paper's length penalty (BENCHMARKS.md has its runs).
 """
 
 import ml_collections
