@@ -38,7 +38,7 @@ from nmt import (
     train_state,
     workdir_lock,
 )
-from nmt.config_check import ConfigError, validate_config
+from nmt.config_check import RENAMED_CONFIG_KEYS, ConfigError, validate_config
 from nmt.evaluation import Evaluator
 from nmt.keep_best import KeepBest
 from nmt.loop_control import (
@@ -221,11 +221,6 @@ def report_end(step: int, stopped: bool, out_of_time: bool, time_limit: float,
 # ----------------------------------------------------------------------------- command line
 
 
-# Keys that recipes and scripts of earlier versions set: what replaced them.
-RENAMED_CONFIG_KEYS = {'cooldown_steps': 'optimizer.cooldown_fraction, the share of '
-                                         'num_train_steps the cooldown takes (e.g. 0.25)'}
-
-
 def exit_on_unknown_config_key(error: Exception):
   # ml_collections names only the missing leaf (and may suggest a near one); the flag as typed
   # names its group too.
@@ -234,8 +229,9 @@ def exit_on_unknown_config_key(error: Exception):
   given = [arg[2:].split('=')[0] for arg in sys.argv[1:] if arg.startswith('--config.')]
   key = next((k for k in given if k.rsplit('.', 1)[-1] == leaf), f'config.{leaf}')
   suggestion = re.search(r'Did you mean "(\w+)"', message)
-  if leaf in RENAMED_CONFIG_KEYS:
-    hint = f' It is now {RENAMED_CONFIG_KEYS[leaf]}.'
+  renamed = [new for old, new in RENAMED_CONFIG_KEYS.items() if old.rsplit('.', 1)[-1] == leaf]
+  if renamed:
+    hint = f' It is now {renamed[0]}.'
   elif suggestion:
     hint = f' Did you mean --{key.rsplit(".", 1)[0]}.{suggestion.group(1)}?'
   else:

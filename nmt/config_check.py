@@ -10,6 +10,11 @@ from model import make_model
 from model.search import STOPPING_RULES, check_alpha, check_min_length
 from nmt.keep_best import BEST_METRICS
 
+# Keys that recipes and scripts of earlier versions set, and what replaced them (the command
+# line's unknown-key error names them too).
+RENAMED_CONFIG_KEYS = {'optimizer.cooldown_steps': 'optimizer.cooldown_fraction, the share of '
+                                                   'num_train_steps the cooldown takes (e.g. 0.25)'}
+
 
 class ConfigError(ValueError):
   """A user mistake in the config, reported before any compilation."""
@@ -104,9 +109,10 @@ def validate_config(config: ml_collections.ConfigDict, mesh: Mesh) -> None:
   if not 0 < optimizer.learning_rate_scale < float('inf'):
     raise ConfigError(f'optimizer.learning_rate_scale must be positive and finite, got '
                       f'{optimizer.learning_rate_scale}.')
-  if 'cooldown_steps' in optimizer:
-    raise ConfigError('optimizer.cooldown_steps is now optimizer.cooldown_fraction, the share of '
-                      'num_train_steps the cooldown takes (e.g. 0.25).')
+  for old_key, new_key in RENAMED_CONFIG_KEYS.items():
+    group, leaf = old_key.split('.')
+    if leaf in config.get(group, {}):
+      raise ConfigError(f'{old_key} is now {new_key}.')
   if not 0 <= optimizer.get('cooldown_fraction', 0.0) <= 1:
     raise ConfigError(f'optimizer.cooldown_fraction must be in [0, 1] (0: the paper\'s schedule '
                       f'to the end), got {optimizer.cooldown_fraction}.')

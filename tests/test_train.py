@@ -4,7 +4,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -367,9 +369,6 @@ def test_nonfinite_streak_check_sees_streaks_that_ended_between_checks():
 
 
 def test_cli_rejects_an_unknown_config_key_in_one_line(tmp_path):
-  import subprocess
-  import sys
-
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, 'train.py', '--config', 'configs/tiny.py', '--workdir', str(tmp_path),
@@ -394,9 +393,6 @@ def test_unknown_config_key_messages_name_the_flag_and_what_replaced_a_renamed_k
 
 
 def test_cli_distributed_without_cluster_settings_says_what_to_set(tmp_path):
-  import subprocess
-  import sys
-
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cluster = ('SLURM_', 'OMPI_', 'JAX_COORDINATOR', 'KUBERNETES_', 'TPU_', 'CLOUD_TPU')
   env = {k: v for k, v in os.environ.items() if not k.startswith(cluster)}
@@ -606,8 +602,6 @@ def test_diverging_run_stops_with_a_clear_error_and_keeps_finite_parameters(tmp_
 
 @needs_multi30k
 def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog):
-  import json
-
   config = small_config({'eval.bleu_every_steps': 4, 'eval.bleu_sentences': 8,
                          'num_train_steps': 8, 'log_every_steps': 2, 'eval.every_steps': 6,
                          'checkpoint_every_steps': 1000})
@@ -636,10 +630,6 @@ def test_metrics_evaluation_and_bleu_follow_their_own_schedules(tmp_path, caplog
 @pytest.mark.slow
 def test_killed_run_resumes_to_the_same_parameters(tmp_path):
   """SIGKILL (no chance to save) after a checkpoint, restart: same result as no kill."""
-  import subprocess
-  import sys
-  import time
-
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   overrides = ['--config.num_train_steps=400', '--config.checkpoint_every_steps=100',
                '--config.eval.every_steps=1000', '--config.eval.bleu_sentences=0',
