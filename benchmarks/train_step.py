@@ -5,7 +5,7 @@
       [--vocab 8000] [--output-vocab 0] [--d-model 256] [--d-ff 1024] [--layers 3] \
       [--batch 64] [--length 32] \
       [--attention-score dot|bilinear|additive] [--linear-attention] [--pre-norm] \
-      [--norm layer|scale] [--fix-norm]
+      [--norm layer|scale] [--fix-norm] [--weight-decay 0.1]
 
 Builds the step exactly as training does (configs/multi30k.py + overrides,
 `sharding.make_mesh`, `init_train_state`, `sharding.state_shardings`, `compile_train_step`,
@@ -89,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="'scale': ScaleNorm (with --pre-norm).")
   parser.add_argument('--fix-norm', action='store_true',
                       help='FixNorm: unit-length embedding rows.')
+  parser.add_argument('--weight-decay', type=float, default=0.0,
+                      help="AdamW's decay of the matrices (optimizer.weight_decay); 0: Adam.")
   parser.add_argument('--peak-size', type=int, default=2048, help='Matmul size for the peak.')
   parser.add_argument('--peak-runs', type=int, default=10, help='Timed matmuls; the best counts.')
   return parser.parse_args(argv)
@@ -109,8 +111,8 @@ def make_config(args: argparse.Namespace):
   config.data.update(batch_size=args.batch, max_length=args.length,
                      target_pieces_first=bool(args.output_vocab))
   # No moving average: the step compared with the Flax WMT example's is the paper's update.
-  config.optimizer.update(label_smoothing=0.1, grad_accum_steps=1, weight_decay=0.0,
-                          grad_clip_norm=0.0, ema_decay=0.0)
+  config.optimizer.update(label_smoothing=0.1, grad_accum_steps=1,
+                          weight_decay=args.weight_decay, grad_clip_norm=0.0, ema_decay=0.0)
   return config
 
 
@@ -321,9 +323,10 @@ def run(args: argparse.Namespace) -> dict:
       'setup': dict(vocab=args.vocab, d_model=args.d_model, d_ff=args.d_ff, heads=args.heads,
                     layers=f'{args.layers}+{args.layers}', dtype=args.dtype, batch=args.batch,
                     length=args.length, dropout=config.model.dropout_rate,
-                    label_smoothing=config.optimizer.label_smoothing, optimizer='adam',
-                    params=int(num_params), steps=args.steps, warmup=args.warmup,
-                    repeats=args.repeats),
+                    label_smoothing=config.optimizer.label_smoothing,
+                    optimizer='adamw' if config.optimizer.weight_decay else 'adam',
+                    weight_decay=config.optimizer.weight_decay, params=int(num_params),
+                    steps=args.steps, warmup=args.warmup, repeats=args.repeats),
       'target_tokens_per_step': tokens,
       'target_tokens_per_s': tokens_per_s,
       'seconds_per_step': seconds,

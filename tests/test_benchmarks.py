@@ -36,7 +36,7 @@ def test_train_step_benchmark_writes_positive_numbers(tmp_path):
 def test_train_step_benchmark_config_has_the_requested_shape():
   config = train_step_benchmark.make_config(train_step_benchmark.parse_args(
       TINY + ['--dtype', 'bfloat16', '--dropout', '0', '--pre-norm', '--norm', 'scale',
-              '--fix-norm']))
+              '--fix-norm', '--weight-decay', '0.1']))
   assert (config.model.vocab_size, config.model.d_model, config.model.d_ff,
           config.model.num_heads) == (64, 16, 32, 2)
   assert config.model.num_encoder_layers == config.model.num_decoder_layers == 1
@@ -44,6 +44,9 @@ def test_train_step_benchmark_config_has_the_requested_shape():
   assert config.model.pre_norm and config.model.norm == 'scale' and config.model.fix_norm
   assert (config.data.batch_size, config.data.max_length) == (8, 8)
   assert config.optimizer.label_smoothing == 0.1 and config.optimizer.grad_accum_steps == 1
+  assert config.optimizer.weight_decay == 0.1
+  assert train_step_benchmark.make_config(
+      train_step_benchmark.parse_args(TINY)).optimizer.weight_decay == 0.0
   # The benchmark times the one shared definition of the peak.
   assert train_step_benchmark.matmul_peak_gflops is matmul_peak.matmul_peak_gflops
 
