@@ -58,13 +58,13 @@ FORMATS = ('jax', 'ctranslate2')
 JAX_BUCKETS = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 SERVING = os.path.join(os.path.dirname(os.path.abspath(__file__)), 'serving.py')
 # What serving.py imports from its own folder in an export (from `nmt` in a checkout): the
-# translator, the HTTP server's batcher and server, and the page it shows at GET / (inline
-# HTML, CSS and JavaScript; no network access). Each imports only the standard library, jax,
-# numpy, sentencepiece and the others.
+# translator, the HTTP server's batcher and server, the page it shows at GET / (inline HTML,
+# CSS and JavaScript; no network access) and decode.py's reading of input lines. Each imports
+# only the standard library, jax, numpy, sentencepiece and the others.
 SERVING_FILES = tuple(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), 'nmt', name)
     for name in ('serving_translator.py', 'serving_batcher.py', 'serving_http.py',
-                 'serving_page.html'))
+                 'serving_page.html', 'text_io.py'))
 # The slot pool (`pool_*.jax`, CPU exports): sources up to POOL_WIDTH tokens; a step program
 # per pool size (the CPU decoding step needs a known number of rows), so that a pool holds about
 # as many slots as it has sentences; sentences start in the narrowest of POOL_START_WIDTHS that

@@ -37,14 +37,12 @@ beside it in an exported folder, in nmt/ in a checkout.
 from __future__ import annotations
 
 import argparse
-import codecs
 import os
-import select
 import signal
 import stat
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import jax
 
@@ -55,75 +53,15 @@ if os.path.isfile(os.path.join(_FOLDER, 'serving_http.py')):  # An exported fold
   import serving_batcher
   import serving_http
   import serving_translator
+  import text_io
 else:  # A checkout: the library's modules.
-  from nmt import serving_batcher, serving_http, serving_translator
+  from nmt import serving_batcher, serving_http, serving_translator, text_io
 
 # The library's API, importable from here (`from serving import ExportedTranslator`).
 ExportedTranslator = serving_translator.ExportedTranslator
 output_line = serving_translator.output_line
 Batcher = serving_batcher.Batcher
 make_http_server = serving_http.make_http_server
-
-
-# Input lines follow nmt/text_io.py's read_lines/stream_lines (decode.py's), repeated here because
-# this file runs without the project's code; tests/test_input_pipeline.py holds them equal.
-
-
-def _text_lines(lines: list[bytes], name: str, first_line: int) -> list[str]:
-  r"""UTF-8 `lines` (the first is line `first_line` of `name`) without a trailing '\r' (of
-  '\r\n'), as decode.py reads them; a UTF-8 BOM at the start of the input is dropped. Invalid
-  UTF-8 raises a ValueError naming the file and the line."""
-  if first_line == 1 and lines and lines[0].startswith(codecs.BOM_UTF8):
-    lines = [lines[0][len(codecs.BOM_UTF8):], *lines[1:]]
-  texts = []
-  for number, line in enumerate(lines, first_line):
-    try:
-      texts.append(line.decode('utf-8').rstrip('\r'))
-    except UnicodeDecodeError as e:
-      raise ValueError(f'{name}:{number}: invalid UTF-8 ({e.reason}); convert the file to UTF-8, '
-                       'e.g. `iconv -f LATIN1 -t UTF-8`.') from None
-  return texts
-
-
-def read_lines(path: str) -> list[str]:
-  r"""Lines of a UTF-8 file ('-': stdin), split at '\n' only: a lone '\r' inside a line stays
-  in it (text-mode reading would split there and shift every later line)."""
-  if path == '-':
-    name, data = 'stdin', sys.stdin.buffer.read()
-  else:
-    with open(path, 'rb') as f:
-      name, data = path, f.read()
-  lines = data.split(b'\n')
-  if lines[-1] == b'':
-    lines.pop()  # The newline that ends the last line.
-  return _text_lines(lines, name, 1)
-
-
-def stream_lines(fd: int, max_lines: int = 1024, name: str = 'stdin') -> Iterator[list[str]]:
-  """Lines of a pipe or terminal as they arrive, in chunks translated together.
-
-  Each chunk holds at least one line: it waits for the first, then takes the complete lines
-  already readable without waiting (at most `max_lines`), so a line typed alone is answered at
-  once and a pipe full of lines is translated in batches. A last line without a newline counts.
-  Lines and errors as `read_lines`.
-  """
-  pending, line_number, ended = b'', 1, False
-  while not ended:
-    lines: list[bytes] = []
-    while len(lines) < max_lines:
-      if lines and not select.select([fd], [], [], 0)[0]:
-        break  # Nothing more right now: translate what has arrived.
-      data = os.read(fd, 1 << 16)
-      if not data:
-        ended = True
-        if pending:
-          lines.append(pending)
-        break
-      *complete, pending = (pending + data).split(b'\n')
-      lines.extend(complete)
-    if lines:
-      yield _text_lines(lines, name, line_number)
-      line_number += len(lines)
 
 
 def serve(translator: ExportedTranslator, args: argparse.Namespace) -> None:
@@ -211,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   lines = None
   if args.http is None and not streaming:
     try:  # Before loading the model: bad input fails at once.
-      lines = read_lines(args.input)
+      lines = text_io.read_lines(args.input)
     except (OSError, ValueError) as error:
       sys.exit(f'error: {error}')
   if not jax.config.jax_compilation_cache_dir:  # Later runs load the compiled programs.
@@ -230,7 +168,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   if streaming:
     line_number = 1
     try:
-      for chunk in stream_lines(sys.stdin.fileno()):
+      for chunk in text_io.stream_lines(sys.stdin.fileno()):
         out.writelines(output_line(t) + '\n' for t in translator.translate(chunk, line_number))
         out.flush()
         line_number += len(chunk)

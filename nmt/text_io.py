@@ -2,8 +2,8 @@
 UTF-8 only, with errors that name the file and line; and the errors bad input data raises.
 
 Lines end at '\n' only (a '\r' before it is dropped) and a UTF-8 byte-order mark at the start
-of a file is dropped, so every input line maps to exactly one output line. serving.py repeats
-this reading (it runs without the project); a test holds the two equal.
+of a file is dropped, so every input line maps to exactly one output line. Standard library
+only: export.py copies this file beside serving.py, which reads its input with it.
 """
 
 from __future__ import annotations

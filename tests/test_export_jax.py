@@ -181,10 +181,12 @@ def test_serving_names_the_line_of_invalid_utf8(exported, tmp_path):
 
 def test_stream_lines_takes_the_lines_already_arrived(serving_module):
   """A pipe's lines come in chunks: the first line waited for, then every complete line already
-  readable; split at '\n' only, BOM dropped, invalid UTF-8 named by its line."""
+  readable; split at '\n' only, BOM dropped, invalid UTF-8 named by its line. The exported
+  folder's copy of text_io.py, the one serving.py reads with."""
+  assert serving_module.text_io.__file__.startswith(os.path.dirname(serving_module.__file__))
   read_fd, write_fd = os.pipe()
   try:
-    stream = serving_module.stream_lines(read_fd)
+    stream = serving_module.text_io.stream_lines(read_fd)
     os.write(write_fd, codecs.BOM_UTF8 + b'One.\nTwo\rtwo.\r\nThree.\nFou')
     assert next(stream) == ['One.', 'Two\rtwo.', 'Three.']
     os.write(write_fd, b'r.\n')
@@ -198,7 +200,7 @@ def test_stream_lines_takes_the_lines_already_arrived(serving_module):
   read_fd, write_fd = os.pipe()
   os.write(write_fd, b'Last line without a newline')
   os.close(write_fd)
-  assert list(serving_module.stream_lines(read_fd)) == [['Last line without a newline']]
+  assert list(serving_module.text_io.stream_lines(read_fd)) == [['Last line without a newline']]
   os.close(read_fd)
 
 

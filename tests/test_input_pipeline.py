@@ -7,7 +7,6 @@ Tests that need the Multi30k files are skipped when they are absent.
 import codecs
 import collections
 import gzip
-import importlib.util
 import io
 import json
 import logging
@@ -421,37 +420,6 @@ def test_read_lines_drops_a_byte_order_mark_and_reads_pipes(tmp_path):
     text_io.read_lines(tmp_path)
   with pytest.raises(ip.MissingDataError, match='file not found'):
     text_io.read_lines(tmp_path / 'missing.txt')
-
-
-def test_serving_reads_lines_as_decode_does(tmp_path):
-  """serving.py repeats the line rules (it runs without the project): the same lines from
-  files and pipes, the same error for invalid UTF-8."""
-  spec = importlib.util.spec_from_file_location('serving_lines', Path(ip.__file__).parent /
-                                                'serving.py')
-  serving = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(serving)
-  data = codecs.BOM_UTF8 + 'a\rb\r\n\n\u2028 c\x0b\nlast'.encode()
-  path = tmp_path / 'lines.txt'
-  path.write_bytes(data)
-  assert serving.read_lines(str(path)) == text_io.read_lines(path) == ['a\rb', '', '\u2028 c\x0b',
-                                                                   'last']
-  streamed = []
-  for module in (serving, text_io):
-    read_end, write_end = os.pipe()
-    os.write(write_end, data)
-    os.close(write_end)
-    try:
-      streamed.append([line for chunk in module.stream_lines(read_end) for line in chunk])
-    finally:
-      os.close(read_end)
-  assert streamed[0] == streamed[1] == text_io.read_lines(path)
-  path.write_bytes(b'fine\nG\xfcnter\n')
-  errors = []
-  for read in (serving.read_lines, text_io.read_lines):
-    with pytest.raises(ValueError) as error:
-      read(str(path))
-    errors.append(str(error.value))
-  assert errors[0] == errors[1] and ':2: invalid UTF-8' in errors[0]
 
 
 def _seq(rng, n: int) -> np.ndarray:
